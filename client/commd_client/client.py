@@ -1,0 +1,227 @@
+"""``Client``: hand gradients to the node's commd daemon and get them back reduced."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+
+import numpy as np
+
+from commd_protocol import (
+    DTYPES,
+    OPS,
+    PROTOCOL_VERSION,
+    CommdError,
+    Done,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Hello,
+    Layer,
+    Ready,
+    Register,
+    Registered,
+    Wait,
+    Welcome,
+    error_from_reply,
+)
+
+from . import env
+from .connection import Connection
+from .dtypes import numpy_dtype
+from .layout import backward_offsets
+from .shm import GradientSegment, segment_name
+
+_HELLO_TIMEOUT_S = 10.0
+
+
+class Client:
+    """One training process's link to the commd daemon on its node.
+
+    Every keyword defaults from the environment as torchrun sets it (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR); COMMD_JOB, COMMD_COORDINATOR and COMMD_SOCKET
+    override.
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        coordinator: str | None = None,
+        socket: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        self.job = job if job is not None else env.job()
+        self.rank = rank if rank is not None else env.rank()
+        self.world_size = world_size if world_size is not None else env.world_size()
+        self.local_rank = local_rank if local_rank is not None else env.local_rank()
+        self.local_world_size = (
+            local_world_size if local_world_size is not None else env.local_world_size()
+        )
+        self.coordinator = coordinator if coordinator is not None else env.coordinator()
+        self.socket = socket if socket is not None else env.socket_path()
+        self.timeout = timeout
+        self.iteration = 0
+        self.groups: list[list[int]] = []
+        self.nodes = 0
+        self._segment: GradientSegment | None = None
+        self._sizes: list[int] = []
+        self._marked: set[int] = set()
+        self._failure: CommdError | None = None
+        self._connection = Connection(self.socket)
+        try:
+            self._hello()
+        except BaseException:
+            self._connection.close()
+            raise
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def _hello(self) -> None:
+        self._connection.send(
+            Hello(
+                protocol=PROTOCOL_VERSION,
+                job=self.job,
+                rank=self.rank,
+                world_size=self.world_size,
+                local_rank=self.local_rank,
+                local_world_size=self.local_world_size,
+                coordinator=self.coordinator,
+                pid=os.getpid(),
+            )
+        )
+        reply = self._connection.receive(
+            min(self.timeout, _HELLO_TIMEOUT_S), f"the daemon at {self.socket} to answer hello"
+        )
+        if isinstance(reply, Error):
+            raise error_from_reply(reply.code, reply.message)
+        if not isinstance(reply, Welcome):
+            raise CommdError(f"commd: expected a welcome, got {type(reply).__name__}")
+        self.backend = reply.backend
+
+    def close(self) -> None:
+        """Say goodbye, close the socket and unlink the shared buffer."""
+        if self._connection is None:
+            return
+        try:
+            self._connection.send(Goodbye())
+        finally:
+            self._connection.close()
+            if self._segment is not None:
+                self._segment.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- registration --------------------------------------------------------------------------
+
+    def register(
+        self,
+        layers: Sequence[tuple[str, int]],
+        dtype: str = "float32",
+        op: str = "avg",
+        planner: str = "optimal",
+        compression: str = "none",
+    ) -> list[np.ndarray]:
+        """Register the layers (forward order); block until the job is formed.
+
+        Returns one writable 1-D array per layer, all views of one shared buffer laid out in
+        backward order. bfloat16 gradients come as uint16 arrays of raw bits.
+        """
+        if self._segment is not None:
+            raise CommdError("commd: register() was already called on this client")
+        if dtype not in DTYPES:
+            raise CommdError(f"commd: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        if op not in OPS:
+            raise CommdError(f"commd: unsupported op {op!r}; use one of {', '.join(OPS)}")
+        if not layers:
+            raise CommdError("commd: register() needs at least one layer")
+        np_dtype = numpy_dtype(dtype)
+        self._sizes = [int(size) for _, size in layers]
+        total = sum(self._sizes)
+        self._segment = GradientSegment(segment_name(self.job, self.rank), total * np_dtype.itemsize)
+        flat = np.frombuffer(self._segment.buf, dtype=np_dtype, count=total)
+        offsets = backward_offsets(self._sizes)
+        views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]
+        self._connection.send(
+            Register(
+                layers=[Layer(name=name, size=int(size)) for name, size in layers],
+                dtype=dtype,
+                op=op,
+                shm_name=self._segment.name,
+                planner=planner,
+                compression=compression,
+            )
+        )
+        reply = self._connection.receive(self.timeout, "the job to form (every rank to register)")
+        if isinstance(reply, Error):
+            raise self._latch(reply)
+        if not isinstance(reply, Registered):
+            raise CommdError(f"commd: expected registered, got {type(reply).__name__}")
+        self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
+        self.flat = flat
+        return views
+
+    # --- iterations ----------------------------------------------------------------------------
+
+    def ready(self, layers: int | Iterable[int]) -> None:
+        """Mark layers' gradients final for this iteration (normally in backward order)."""
+        self._check_usable("ready()")
+        indices = [layers] if isinstance(layers, int | np.integer) else list(layers)
+        for index in indices:
+            if not 0 <= index < len(self._sizes):
+                raise CommdError(
+                    f"commd: ready({index}): no such layer; registered layers are "
+                    f"0..{len(self._sizes) - 1}"
+                )
+            if index in self._marked:
+                raise CommdError(
+                    f"commd: ready({index}) twice in iteration {self.iteration}; "
+                    "call wait() before marking it again"
+                )
+        self._marked.update(indices)
+        self._connection.send(Ready(layers=[int(i) for i in indices]))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every layer holds the sum/avg over all ranks for this iteration."""
+        self._check_usable("wait()")
+        if len(self._marked) != len(self._sizes):
+            missing = sorted(set(range(len(self._sizes))) - self._marked)
+            raise CommdError(
+                f"commd: wait() before every layer is ready; not yet marked: {missing[:10]}"
+                + (" …" if len(missing) > 10 else "")
+            )
+        self._connection.send(Wait(iteration=self.iteration))
+        budget = self.timeout if timeout is None else timeout
+        reply = self._connection.receive(budget, f"iteration {self.iteration} to be reduced")
+        while not (isinstance(reply, Done) and reply.iteration == self.iteration):
+            if isinstance(reply, Error):
+                raise self._latch(reply)
+            reply = self._connection.receive(budget, f"iteration {self.iteration} to be reduced")
+        self.iteration += 1
+        self._marked.clear()
+
+    def _check_usable(self, call: str) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._segment is None:
+            raise CommdError(f"commd: {call} before register()", ErrorCode.OUT_OF_ORDER)
+
+    def _latch(self, reply: Error) -> CommdError:
+        """A fatal error fails every later call the same way; others are raised once."""
+        error = error_from_reply(reply.code, reply.message)
+        if reply.fatal:
+            self._failure = error
+        return error

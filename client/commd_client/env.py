@@ -1,0 +1,62 @@
+"""Client defaults, read from the environment the way torchrun sets it."""
+
+from __future__ import annotations
+
+import os
+
+from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET, CommdError
+
+
+def _int_env(name: str, default: int | None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise CommdError(
+                f"commd: {name} is not set; pass it as a keyword or start under torchrun"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise CommdError(f"commd: {name}={raw!r} is not an integer") from None
+
+
+def rank() -> int:
+    return _int_env("RANK", 0)
+
+
+def world_size() -> int:
+    return _int_env("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    return _int_env("LOCAL_RANK", 0)
+
+
+def local_world_size() -> int:
+    return _int_env("LOCAL_WORLD_SIZE", 1)
+
+
+def job() -> str:
+    """COMMD_JOB, else torchrun's run id, else one derived from the rendezvous address."""
+    explicit = os.environ.get("COMMD_JOB")
+    if explicit:
+        return explicit
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return run_id
+    if "MASTER_ADDR" in os.environ:
+        return f"{os.environ['MASTER_ADDR']}-{os.environ.get('MASTER_PORT', '0')}"
+    return "default"
+
+
+def coordinator() -> str:
+    """COMMD_COORDINATOR, else MASTER_ADDR with commd's peer port, else this host."""
+    explicit = os.environ.get("COMMD_COORDINATOR")
+    if explicit:
+        return explicit
+    return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{DEFAULT_PEER_PORT}"
+
+
+def socket_path() -> str:
+    return os.environ.get("COMMD_SOCKET", DEFAULT_SOCKET)

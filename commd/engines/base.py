@@ -1,0 +1,83 @@
+"""The small interface every collective engine implements, named after the collectives."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine needs to join its job's group: one engine rank per node."""
+
+    key: str  # unique per job set-up: "<job>/<generation>"
+    rank: int  # this node's index
+    size: int  # number of nodes
+    store_host: str  # the coordinator's rendezvous store
+    store_port: int
+    host: str  # the address this node's engine listens on
+    timeout_s: float
+
+
+class EngineError(Exception):
+    """A failed set-up or collective; the message carries the library's own words."""
+
+
+class Engine(ABC):
+    """Collectives on buffers of one job. Every call returns at once with a future that the
+    event loop awaits; the work runs on the engine's own threads."""
+
+    name: str = ""
+
+    @classmethod
+    @abstractmethod
+    def availability(cls) -> tuple[bool, str]:
+        """(usable here, reason when not) — a check, not an exception."""
+
+    @abstractmethod
+    async def start(self, config: EngineConfig) -> None:
+        """Join the group; raises EngineError (also on timeout)."""
+
+    @abstractmethod
+    def allreduce(self, buffer: np.ndarray, dtype: str) -> asyncio.Future[None]:
+        """Sum ``buffer`` over all nodes, in place."""
+
+    @abstractmethod
+    def allgather(self, output: np.ndarray, data: np.ndarray, dtype: str) -> asyncio.Future[None]:
+        """Concatenate every node's ``data`` (same length) into ``output``, in rank order."""
+
+    @abstractmethod
+    def broadcast(self, buffer: np.ndarray, root: int, dtype: str) -> asyncio.Future[None]:
+        """Copy ``root``'s buffer into every node's, in place."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the group; safe to call twice and after a failure."""
+
+
+def bridge_future(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future[None], object]:
+    """An asyncio future plus a thread-safe callback that completes it with an error or not."""
+    future: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def from_any_thread(error: BaseException | None = None) -> None:
+        loop.call_soon_threadsafe(settle, error)
+
+    return future, from_any_thread
+
+
+def check_same_length(arrays: Sequence[np.ndarray]) -> None:
+    lengths = {a.size for a in arrays}
+    if len(lengths) > 1:
+        raise ValueError(f"buffers differ in length: {sorted(lengths)}")

@@ -1,0 +1,107 @@
+"""Gloo through torch.distributed, built directly (no init_process_group): one group per job.
+
+Tensors are ``torch.from_numpy`` views of the shared buffers, so nothing is copied. Collectives
+run on Gloo's threads; their torch futures are bridged to asyncio with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from .base import Engine, EngineConfig, EngineError, bridge_future
+
+log = logging.getLogger("commd.engine.gloo")
+
+
+class GlooEngine(Engine):
+    name = "gloo"
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._store: Any = None
+        self._torch: Any = None
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return False, "torch is not installed (pip install 'commd[gloo]')"
+        if not dist.is_available() or not dist.is_gloo_available():
+            return False, "this torch build has no Gloo"
+        return True, ""
+
+    async def start(self, config: EngineConfig) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            # Building the group blocks until every node has joined: keep it off the loop.
+            await asyncio.wait_for(
+                loop.run_in_executor(None, self._build, config), config.timeout_s
+            )
+        except TimeoutError:
+            raise EngineError(
+                f"Gloo group {config.key} did not form within {config.timeout_s:g}s"
+            ) from None
+        except Exception as exc:  # the library's own words, e.g. "Connection refused"
+            raise EngineError(f"Gloo set-up failed: {exc}") from exc
+
+    def _build(self, config: EngineConfig) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch = torch
+        timeout = timedelta(seconds=config.timeout_s)
+        self._store = dist.TCPStore(
+            config.store_host, config.store_port, None, False, timeout=timeout
+        )
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.host)]
+        options._timeout = timeout
+        store = dist.PrefixStore(config.key, self._store)
+        self._group = dist.ProcessGroupGloo(store, config.rank, config.size, options)
+
+    def _tensor(self, array: np.ndarray, dtype: str) -> Any:
+        tensor = self._torch.from_numpy(array)
+        return tensor.view(self._torch.bfloat16) if dtype == "bfloat16" else tensor
+
+    def _bridge(self, work: Any) -> asyncio.Future[None]:
+        future, settle = bridge_future(asyncio.get_running_loop())
+
+        def on_done(torch_future: Any) -> None:
+            try:
+                torch_future.value()
+            except Exception as exc:
+                settle(EngineError(f"Gloo collective failed: {exc}"))  # type: ignore[operator]
+            else:
+                settle()  # type: ignore[operator]
+
+        work.get_future().add_done_callback(on_done)
+        return future
+
+    def _require_group(self) -> Any:
+        if self._group is None:
+            raise EngineError("the Gloo engine is not started or already closed")
+        return self._group
+
+    def allreduce(self, buffer: np.ndarray, dtype: str) -> asyncio.Future[None]:
+        return self._bridge(self._require_group().allreduce([self._tensor(buffer, dtype)]))
+
+    def allgather(self, output: np.ndarray, data: np.ndarray, dtype: str) -> asyncio.Future[None]:
+        work = self._require_group()._allgather_base(
+            self._tensor(output, dtype), self._tensor(data, dtype)
+        )
+        return self._bridge(work)
+
+    def broadcast(self, buffer: np.ndarray, root: int, dtype: str) -> asyncio.Future[None]:
+        return self._bridge(self._require_group().broadcast([self._tensor(buffer, dtype)], root))
+
+    def close(self) -> None:
+        # Dropping the references lets Gloo close its pairs; a collective still in flight on
+        # a dead peer ends with its own timeout on Gloo's thread, never on the loop.
+        self._group = None
+        self._store = None

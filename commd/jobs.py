@@ -1,0 +1,427 @@
+"""The state of one job on this node: its local ranks, registration, set-up and failure.
+
+The control plane lives here; the data plane is ``Pipeline``. A job never touches another
+job's state, so one daemon serves many jobs in isolation.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from commd_client.dtypes import numpy_dtype
+from commd_client.layout import backward_offsets, group_span
+from commd_protocol import (
+    DTYPES,
+    OPS,
+    PROTOCOL_VERSION,
+    Done,
+    Error,
+    ErrorCode,
+    Hello,
+    PeerAbort,
+    PeerJoin,
+    PeerLeave,
+    PeerSetup,
+    Register,
+    Registered,
+)
+
+from .engines import Engine, EngineConfig, EngineError, create_engine
+from .memory import SegmentError, SharedSegment
+from .pipeline import Pipeline, ReadyError
+
+log = logging.getLogger("commd.jobs")
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
+
+SendClient = Callable[[bytes, msgspec.Struct], None]
+SendPeer = Callable[[str, msgspec.Struct], None]
+
+
+class JobError(Exception):
+    """A request the job refuses; ``code`` goes into the error reply."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID) -> None:
+        super().__init__(message if message.startswith("commd: ") else "commd: " + message)
+        self.code = code
+
+
+@dataclass
+class LocalRank:
+    identity: bytes
+    rank: int
+    local_rank: int
+    pid: int
+    segment: SharedSegment | None = None
+    buffer: np.ndarray | None = None
+    registration: Register | None = None
+    waiting: int | None = None  # the iteration this rank waits for
+    left: bool = False
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What every job of this daemon shares."""
+
+    backend: str
+    timeout_s: float
+    advertise: Callable[[str], str]  # coordinator host -> our engine address
+    executor: Executor
+    send_client: SendClient
+    send_peer: SendPeer
+    validate_planner: Callable[[str], None]
+
+
+class Job:
+    def __init__(self, hello: Hello, context: JobContext) -> None:
+        self.id = hello.job
+        self.world_size = hello.world_size
+        self.local_world_size = hello.local_world_size
+        self.coordinator = hello.coordinator
+        self.ctx = context
+        self.ranks: dict[int, LocalRank] = {}
+        self.state = "forming"  # forming → joining → starting → running → failed / closed
+        self.failure: Error | None = None
+        self.setup: PeerSetup | None = None
+        self.engine: Engine | None = None
+        self.pipeline: Pipeline | None = None
+        self.created = time.time()
+        self._closed = False
+
+    # --- membership ------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_hello(hello: Hello) -> None:
+        if hello.protocol != PROTOCOL_VERSION:
+            raise JobError(
+                f"protocol version {hello.protocol} is not supported (this daemon speaks "
+                f"{PROTOCOL_VERSION}); install matching commd and commd_client versions",
+                ErrorCode.VERSION,
+            )
+        if not _JOB_ID.match(hello.job):
+            raise JobError(f"invalid job id {hello.job!r}: use 1-128 of A-Z a-z 0-9 _.:@/+-")
+        if not 0 <= hello.rank < hello.world_size:
+            raise JobError(f"rank {hello.rank} is outside world size {hello.world_size}")
+        if not 0 <= hello.local_rank < hello.local_world_size <= hello.world_size:
+            raise JobError(
+                f"local rank {hello.local_rank} / local world size {hello.local_world_size} "
+                f"do not fit world size {hello.world_size}"
+            )
+        host, _, port = hello.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise JobError(f"coordinator must be HOST:PORT, got {hello.coordinator!r}")
+
+    def add_rank(self, identity: bytes, hello: Hello) -> LocalRank:
+        if self.state != "forming":
+            raise JobError(
+                f"job {self.id!r} is already {self.state}; use a new job id for a new run",
+                ErrorCode.OUT_OF_ORDER,
+            )
+        for name in ("world_size", "local_world_size", "coordinator"):
+            if getattr(hello, name) != getattr(self, name):
+                raise JobError(
+                    f"rank {hello.rank} says {name}={getattr(hello, name)!r} but job "
+                    f"{self.id!r} has {name}={getattr(self, name)!r}",
+                    ErrorCode.MISMATCH,
+                )
+        if hello.local_rank in self.ranks:
+            raise JobError(
+                f"local rank {hello.local_rank} of job {self.id!r} is already connected "
+                f"(rank {self.ranks[hello.local_rank].rank})",
+                ErrorCode.MISMATCH,
+            )
+        member = LocalRank(identity, hello.rank, hello.local_rank, hello.pid)
+        self.ranks[hello.local_rank] = member
+        return member
+
+    # --- registration ----------------------------------------------------------------------------
+
+    def register(self, member: LocalRank, message: Register) -> None:
+        """Attach the rank's buffer; once every local rank is in, ask the coordinator to join."""
+        if member.registration is not None:
+            raise JobError("register sent twice", ErrorCode.OUT_OF_ORDER)
+        self._check_register(message)
+        dtype = numpy_dtype(message.dtype)
+        total = sum(layer.size for layer in message.layers)
+        try:
+            segment = SharedSegment(message.shm_name)
+        except SegmentError as exc:
+            raise JobError(str(exc)) from None
+        if total * dtype.itemsize > segment.nbytes:
+            segment.close()
+            raise JobError(
+                f"layers need {total * dtype.itemsize} bytes but segment "
+                f"{message.shm_name!r} holds {segment.nbytes}"
+            )
+        member.segment, member.registration = segment, message
+        member.buffer = segment.array(dtype, total)
+        self._check_local_agreement(member)
+        if len(self.ranks) == self.local_world_size and all(
+            r.registration is not None for r in self.ranks.values()
+        ):
+            self._join()
+
+    def _check_register(self, message: Register) -> None:
+        if message.dtype not in DTYPES:
+            raise JobError(f"unsupported dtype {message.dtype!r}; use one of {', '.join(DTYPES)}")
+        if message.op not in OPS:
+            raise JobError(f"unsupported op {message.op!r}; use one of {', '.join(OPS)}")
+        if not message.layers:
+            raise JobError("register needs at least one layer")
+        for index, layer in enumerate(message.layers):
+            if layer.size <= 0:
+                raise JobError(f"layer {index} ({layer.name!r}) has size {layer.size}; must be > 0")
+        if message.compression != "none":
+            raise JobError(f"compression {message.compression!r} is not supported yet")
+        try:
+            self.ctx.validate_planner(message.planner)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+
+    def _check_local_agreement(self, member: LocalRank) -> None:
+        first = next(
+            r for r in sorted(self.ranks.values(), key=lambda r: r.rank) if r.registration
+        )
+        if first is member:
+            return
+        problem = describe_difference(first.registration, member.registration)  # type: ignore[arg-type]
+        if problem:
+            self.fail(
+                ErrorCode.MISMATCH,
+                f"ranks {first.rank} and {member.rank} registered different layers: {problem}",
+            )
+            raise JobError(self.failure.message if self.failure else problem, ErrorCode.MISMATCH)
+
+    def _join(self) -> None:
+        self.state = "joining"
+        first = min(self.ranks.values(), key=lambda r: r.rank)
+        reg = first.registration
+        assert reg is not None
+        host = self.coordinator.rpartition(":")[0].strip("[]")
+        self.ctx.send_peer(
+            self.coordinator,
+            PeerJoin(
+                protocol=PROTOCOL_VERSION,
+                job=self.id,
+                ranks=sorted(r.rank for r in self.ranks.values()),
+                world_size=self.world_size,
+                layers=reg.layers,
+                dtype=reg.dtype,
+                op=reg.op,
+                planner=reg.planner,
+                compression=reg.compression,
+                host=self.ctx.advertise(host),
+            ),
+        )
+
+    # --- set-up ----------------------------------------------------------------------------------
+
+    async def on_setup(self, setup: PeerSetup) -> None:
+        if self.state != "joining":
+            log.warning("job %s: ignoring set-up in state %s", self.id, self.state)
+            return
+        self.state, self.setup = "starting", setup
+        engine = None
+        if setup.nodes > 1:
+            engine = create_engine(self.ctx.backend)
+            host = self.coordinator.rpartition(":")[0].strip("[]")
+            config = EngineConfig(
+                key=f"{self.id}/{setup.generation}",
+                rank=setup.node_index,
+                size=setup.nodes,
+                store_host=host,
+                store_port=setup.store_port,
+                host=self.ctx.advertise(host),
+                timeout_s=self.ctx.timeout_s,
+            )
+            try:
+                await engine.start(config)
+            except EngineError as exc:
+                engine.close()
+                self.fail(ErrorCode.ENGINE, f"engine set-up failed: {exc}")
+                return
+        if self.state != "starting":  # failed or closed while the engine was forming
+            if engine is not None:
+                engine.close()
+            return
+        self.engine = engine
+        self._start_pipeline(setup)
+
+    def _start_pipeline(self, setup: PeerSetup) -> None:
+        members = sorted(self.ranks.values(), key=lambda r: r.local_rank)
+        reg = members[0].registration
+        assert reg is not None
+        sizes = [layer.size for layer in reg.layers]
+        offsets = backward_offsets(sizes)
+        self.pipeline = Pipeline(
+            groups=setup.groups,
+            spans=[group_span(g, sizes, offsets) for g in setup.groups],
+            buffers=[m.buffer for m in members if m.buffer is not None],
+            dtype=reg.dtype,
+            op=reg.op,
+            world_size=self.world_size,
+            engine=self.engine,
+            executor=self.ctx.executor,
+            on_complete=self._iteration_done,
+            on_failure=lambda exc: self.fail(ErrorCode.ENGINE, f"collective failed: {exc}"),
+        )
+        self.pipeline.start()
+        self.state = "running"
+        reply = Registered(
+            nodes=setup.nodes, node_index=setup.node_index, groups=setup.groups,
+            planner=setup.planner,
+        )
+        for member in members:
+            self.ctx.send_client(member.identity, reply)
+        log.info(
+            "job %s running: node %d of %d, %d local ranks, %d groups (%s)",
+            self.id, setup.node_index, setup.nodes, len(members), len(setup.groups), setup.planner,
+        )
+
+    # --- iterations ------------------------------------------------------------------------------
+
+    def ready(self, member: LocalRank, layers: list[int]) -> None:
+        if self.state != "running" or self.pipeline is None:
+            raise JobError(
+                f"ready before the job is formed (job {self.id!r} is {self.state})",
+                ErrorCode.OUT_OF_ORDER,
+            )
+        if any(r.left for r in self.ranks.values()):
+            gone = [r.rank for r in self.ranks.values() if r.left]
+            self.fail(ErrorCode.RANK_LOST, f"rank(s) {gone} closed; the job cannot go on")
+            return
+        try:
+            self.pipeline.mark(member.local_rank, layers)
+        except ReadyError as exc:
+            raise JobError(str(exc)) from None
+
+    def wait(self, member: LocalRank, iteration: int) -> None:
+        if self.state != "running" or self.pipeline is None:
+            raise JobError(
+                f"wait before the job is formed (job {self.id!r} is {self.state})",
+                ErrorCode.OUT_OF_ORDER,
+            )
+        if iteration < self.pipeline.iteration:
+            self.ctx.send_client(member.identity, Done(iteration=iteration))
+        elif iteration == self.pipeline.iteration:
+            member.waiting = iteration
+        else:
+            raise JobError(
+                f"wait for iteration {iteration} but the job is at {self.pipeline.iteration}",
+                ErrorCode.OUT_OF_ORDER,
+            )
+
+    def _iteration_done(self, iteration: int) -> None:
+        for member in self.ranks.values():
+            if member.waiting == iteration:
+                member.waiting = None
+                self.ctx.send_client(member.identity, Done(iteration=iteration))
+
+    # --- failure and departure ---------------------------------------------------------------------
+
+    def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None:
+        """Latch the failure, tell every local rank and (once) the coordinator."""
+        if self.state in ("failed", "closed"):
+            return
+        previous = self.state
+        self.state = "failed"
+        text = message if message.startswith("commd: ") else f"commd: job {self.id!r}: {message}"
+        self.failure = Error(code=code, message=text, fatal=True)
+        log.error("%s", text)
+        for member in self.ranks.values():
+            if not member.left:
+                self.ctx.send_client(member.identity, self.failure)
+        if tell_coordinator and previous != "forming":
+            self.ctx.send_peer(self.coordinator, PeerAbort(job=self.id, code=code, message=text))
+        self._release_engine()
+
+    def leave(self, member: LocalRank, *, lost: bool) -> None:
+        """A rank said goodbye (lost=False) or its process vanished (lost=True)."""
+        if member.left:
+            return
+        member.left = True
+        if lost and self.state in ("joining", "starting", "running"):
+            self.fail(
+                ErrorCode.RANK_LOST,
+                f"rank {member.rank} (pid {member.pid}) exited without closing its client; "
+                "check that rank's log",
+            )
+        elif self.state == "running" and self._iteration_in_flight():
+            self.fail(ErrorCode.RANK_LOST, f"rank {member.rank} closed in the middle of an iteration")
+
+    def _iteration_in_flight(self) -> bool:
+        marked = self.pipeline is not None and bool(self.pipeline._marked.any())
+        return marked or any(r.waiting is not None for r in self.ranks.values() if not r.left)
+
+    @property
+    def finished(self) -> bool:
+        return all(r.left for r in self.ranks.values())
+
+    def close(self) -> None:
+        """Stop everything this job started and unlink its segments (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.state in ("joining", "starting", "running"):
+            self.ctx.send_peer(self.coordinator, PeerLeave(job=self.id))
+        if self.state != "failed":
+            self.state = "closed"
+        self._release_engine()
+        for member in self.ranks.values():
+            if member.segment is not None:
+                member.buffer = None
+                member.segment.close()
+
+    def _release_engine(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def status(self) -> dict[str, Any]:
+        reg = next((r.registration for r in self.ranks.values() if r.registration), None)
+        setup = self.setup
+        stats = self.pipeline.stats if self.pipeline else None
+        return {
+            "job": self.id,
+            "state": self.state,
+            "world_size": self.world_size,
+            "local_ranks": sorted(r.rank for r in self.ranks.values()),
+            "nodes": setup.nodes if setup else None,
+            "node_index": setup.node_index if setup else None,
+            "iteration": self.pipeline.iteration if self.pipeline else 0,
+            "planner": setup.planner if setup else (reg.planner if reg else None),
+            "groups": setup.groups if setup else [],
+            "layers": len(reg.layers) if reg else 0,
+            "dtype": reg.dtype if reg else None,
+            "op": reg.op if reg else None,
+            "iteration_s": {"last": stats.last_s, "mean": stats.mean_s} if stats else None,
+            "error": self.failure.message if self.failure else None,
+        }
+
+
+def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:
+    """'' when two registrations agree, else the first difference in words."""
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype} vs {b.dtype}"
+    if a.op != b.op:
+        return f"op {a.op} vs {b.op}"
+    for index, (left, right) in enumerate(zip(a.layers, b.layers, strict=False)):
+        if left != right:
+            return (
+                f"first differing layer is {index}: {left.name!r} ({left.size} elements) vs "
+                f"{right.name!r} ({right.size} elements)"
+            )
+    if len(a.layers) != len(b.layers):
+        return f"{len(a.layers)} layers vs {len(b.layers)} layers"
+    return ""

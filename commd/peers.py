@@ -1,0 +1,69 @@
+"""Links from this daemon to the coordinator daemons of its jobs (DEALER → peer ROUTER)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from commd_protocol import PeerMessage, ProtocolViolation, encode
+from commd_protocol.codec import peer_codec
+
+log = logging.getLogger("commd.peers")
+
+
+class PeerLinks:
+    """One DEALER per coordinator address, shared by every job coordinated there."""
+
+    def __init__(
+        self, context: zmq.asyncio.Context, on_message: Callable[[str, PeerMessage], None]
+    ) -> None:
+        self._context = context
+        self._on_message = on_message
+        self._links: dict[str, zmq.asyncio.Socket] = {}
+        self._readers: dict[str, asyncio.Task[None]] = {}
+
+    def send(self, address: str, message: msgspec.Struct) -> None:
+        socket = self._links.get(address) or self._open(address)
+        future = socket.send(encode(message))
+        future.add_done_callback(_log_failure)
+
+    def _open(self, address: str) -> zmq.asyncio.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)  # let a last abort or leave go out on shutdown
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        socket.connect(f"tcp://{address}")
+        self._links[address] = socket
+        self._readers[address] = asyncio.get_running_loop().create_task(
+            self._read(address, socket), name=f"commd-peer-{address}"
+        )
+        return socket
+
+    async def _read(self, address: str, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            frame = await socket.recv()
+            try:
+                message = peer_codec.decode(frame)
+            except ProtocolViolation as exc:
+                log.warning("dropping a bad message from coordinator %s: %s", address, exc)
+                continue
+            self._on_message(address, message)
+
+    async def close(self) -> None:
+        for task in self._readers.values():
+            task.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        for socket in self._links.values():
+            socket.close()
+        self._links.clear()
+        self._readers.clear()
+
+
+def _log_failure(future: asyncio.Future[object]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("peer send failed: %s", future.exception())

@@ -1,0 +1,111 @@
+"""`commd status`: ask the node's daemon what it is doing, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import zmq
+
+from commd_protocol import (
+    DEFAULT_SOCKET,
+    ProtocolViolation,
+    StatusReply,
+    StatusRequest,
+    encode,
+)
+from commd_protocol.codec import daemon_codec
+
+
+class NoDaemon(Exception):
+    pass
+
+
+def query(socket_path: str, timeout_s: float = 3.0) -> dict[str, Any]:
+    """The daemon's status object; NoDaemon with a one-line reason when none answers."""
+    if not os.path.exists(socket_path):
+        raise NoDaemon(f"commd: no daemon socket at {socket_path}; is `commd run` running?")
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"ipc://{socket_path}")
+        sock.send(encode(StatusRequest()))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise NoDaemon(f"commd: no daemon answered on {socket_path} within {timeout_s:g}s")
+        try:
+            reply = daemon_codec.decode(sock.recv())
+        except ProtocolViolation as exc:
+            raise NoDaemon(f"commd: unreadable reply from {socket_path}: {exc}") from None
+        if not isinstance(reply, StatusReply):
+            raise NoDaemon(f"commd: unexpected reply {type(reply).__name__} from {socket_path}")
+        return reply.status
+    finally:
+        sock.close(linger=0)
+
+
+def render(status: dict[str, Any]) -> str:
+    lines = [
+        f"commd {status['version']}  backend {status['backend']}  pid {status.get('pid')}  "
+        f"up {status['uptime_s']:.0f}s",
+        f"clients {status.get('socket')}  peers {status.get('listen')}",
+    ]
+    jobs = status.get("jobs", [])
+    if not jobs:
+        lines.append("no jobs")
+        return "\n".join(lines)
+    header = ("JOB", "STATE", "RANKS", "NODE", "ITER", "PLANNER", "GROUPS", "ITER_MS")
+    rows = [header]
+    for job in jobs:
+        timing = job.get("iteration_s") or {}
+        node = (
+            f"{job['node_index']}/{job['nodes']}" if job.get("nodes") is not None else "-"
+        )
+        rows.append((
+            job["job"],
+            job["state"],
+            ",".join(str(r) for r in job["local_ranks"]) + f" of {job['world_size']}",
+            node,
+            str(job["iteration"]),
+            str(job.get("planner") or "-"),
+            str(len(job.get("groups") or [])),
+            f"{1000 * timing.get('mean', 0.0):.1f}" if timing else "-",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    for job in jobs:
+        if job.get("error"):
+            lines.append(f"{job['job']}: {job['error']}")
+    return "\n".join(lines)
+
+
+def register_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="show the node daemon's jobs, plans and timings",
+        description="Ask the commd daemon on this node what it is doing.",
+        epilog="examples:\n  commd status\n  commd status --json | jq '.jobs[].iteration'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--socket",
+        default=os.environ.get("COMMD_SOCKET", DEFAULT_SOCKET),
+        help="the daemon's ipc socket (default: $COMMD_SOCKET or %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for a reply")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        status = query(args.socket, args.timeout)
+    except NoDaemon as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0

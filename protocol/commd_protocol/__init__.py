@@ -1,0 +1,63 @@
+"""commd's wire protocol: typed MessagePack messages shared by the daemon and its clients."""
+
+from .codec import MAX_MESSAGE_BYTES, Codec, ProtocolViolation, encode
+from .errors import CommdError, CommdTimeout, ErrorCode, error_from_reply
+from .messages import (
+    DTYPES,
+    OPS,
+    PROTOCOL_VERSION,
+    ClientMessage,
+    DaemonMessage,
+    Done,
+    Error,
+    Goodbye,
+    Hello,
+    Layer,
+    Ready,
+    Register,
+    Registered,
+    StatusReply,
+    StatusRequest,
+    Wait,
+    Welcome,
+)
+from .peer import PeerAbort, PeerJoin, PeerLeave, PeerMessage, PeerSetup
+
+__version__ = "0.1.0"
+DEFAULT_PEER_PORT = 29600
+DEFAULT_SOCKET = "/run/commd/commd.sock"
+
+__all__ = [
+    "DEFAULT_PEER_PORT",
+    "DEFAULT_SOCKET",
+    "DTYPES",
+    "MAX_MESSAGE_BYTES",
+    "OPS",
+    "PROTOCOL_VERSION",
+    "ClientMessage",
+    "Codec",
+    "CommdError",
+    "CommdTimeout",
+    "DaemonMessage",
+    "Done",
+    "Error",
+    "ErrorCode",
+    "Goodbye",
+    "Hello",
+    "Layer",
+    "PeerAbort",
+    "PeerJoin",
+    "PeerLeave",
+    "PeerMessage",
+    "PeerSetup",
+    "ProtocolViolation",
+    "Ready",
+    "Register",
+    "Registered",
+    "StatusReply",
+    "StatusRequest",
+    "Wait",
+    "Welcome",
+    "encode",
+    "error_from_reply",
+]

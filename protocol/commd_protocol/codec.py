@@ -1,0 +1,86 @@
+"""Encoding and decoding at the socket boundary.
+
+One decoder per direction; a decode failure is turned into a ``ProtocolViolation`` that names
+the field, so the daemon can answer with a typed error and keep serving everyone else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from .errors import ErrorCode
+from .messages import ClientMessage, DaemonMessage
+from .peer import PeerMessage
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 2000-layer register is ~100 KB; this leaves room
+
+T = TypeVar("T")
+
+
+class ProtocolViolation(Exception):
+    """A frame that cannot be accepted; ``code`` and ``args[0]`` go into the error reply."""
+
+    def __init__(self, message: str, code: ErrorCode, ref: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.ref = ref
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class Codec(Generic[T]):
+    """Decodes one tagged union, turning every failure into a ``ProtocolViolation``."""
+
+    def __init__(self, union: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(union)
+        self._raw = msgspec.msgpack.Decoder()
+        self._tags = _tags_of(union)
+        self.max_bytes = max_bytes
+
+    def decode(self, frame: bytes) -> T:
+        if len(frame) > self.max_bytes:
+            raise ProtocolViolation(
+                f"message of {len(frame)} bytes is over the limit of {self.max_bytes}",
+                ErrorCode.TOO_LARGE,
+            )
+        try:
+            return self._decoder.decode(frame)  # type: ignore[no-any-return]
+        except msgspec.DecodeError as exc:
+            raise self._explain(frame, exc) from None
+
+    def _explain(self, frame: bytes, exc: msgspec.DecodeError) -> ProtocolViolation:
+        try:
+            raw = self._raw.decode(frame)
+        except msgspec.DecodeError:
+            return ProtocolViolation(f"not a MessagePack message ({exc})", ErrorCode.MALFORMED)
+        if not isinstance(raw, dict):
+            return ProtocolViolation(
+                f"a message must be a map with a 'type' field, got {type(raw).__name__}",
+                ErrorCode.MALFORMED,
+            )
+        tag = raw.get("type")
+        if tag not in self._tags:
+            return ProtocolViolation(
+                f"unknown message type {tag!r}; known types: {', '.join(sorted(self._tags))}",
+                ErrorCode.UNKNOWN_TYPE,
+                ref=str(tag),
+            )
+        # msgspec names the offending field, e.g. "Expected `int`, got `str` - at `$.rank`".
+        return ProtocolViolation(f"bad {tag!r} message: {exc}", ErrorCode.MALFORMED, ref=str(tag))
+
+
+def _tags_of(union: Any) -> set[str]:
+    members = getattr(union, "__args__", (union,))
+    return {m.__struct_config__.tag for m in members}
+
+
+client_codec: Codec[ClientMessage] = Codec(ClientMessage)
+daemon_codec: Codec[DaemonMessage] = Codec(DaemonMessage)
+peer_codec: Codec[PeerMessage] = Codec(PeerMessage)

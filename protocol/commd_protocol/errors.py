@@ -1,0 +1,52 @@
+"""Errors shared by the client and the daemon.
+
+One root, ``CommdError``; every message starts with ``commd: `` and says what to do next.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Machine-readable reason carried in an ``Error`` reply."""
+
+    MALFORMED = "malformed"  # bytes that are not a valid message
+    UNKNOWN_TYPE = "unknown_type"  # a message type the daemon does not know
+    TOO_LARGE = "too_large"  # a frame over the daemon's size limit
+    VERSION = "version"  # protocol version mismatch
+    OUT_OF_ORDER = "out_of_order"  # e.g. register before hello, wait before register
+    INVALID = "invalid"  # a well-formed message with a bad value
+    MISMATCH = "mismatch"  # ranks of one job disagree (layers, dtype, op, world size)
+    RANK_LOST = "rank_lost"  # a rank or a node of the job went away
+    ENGINE = "engine"  # the collective engine failed
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"  # the daemon is stopping
+
+
+class CommdError(Exception):
+    """Root of every commd error. ``code`` says why, machine-readably."""
+
+    def __init__(self, message: str, code: ErrorCode | str = ErrorCode.INVALID) -> None:
+        if not message.startswith("commd: "):
+            message = "commd: " + message
+        super().__init__(message)
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class CommdTimeout(CommdError, TimeoutError):
+    """A wait, a registration or a collective ran past its timeout."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ErrorCode.TIMEOUT)
+
+
+def error_from_reply(code: str, message: str) -> CommdError:
+    """Turn an ``Error`` reply from the daemon into the matching exception."""
+    if code == ErrorCode.TIMEOUT:
+        return CommdTimeout(message)
+    return CommdError(message, code)

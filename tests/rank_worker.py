@@ -1,0 +1,70 @@
+"""One training rank for end-to-end tests: fills integer-valued gradients, reduces them
+through the node's daemon, and prints what it got back as one JSON line.
+
+Usage: python rank_worker.py '<json spec>' — see ``value`` for the data each rank writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from commd_client import Client, CommdError
+
+
+def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
+    """Small integers: exact in every dtype, also after summing a few ranks."""
+    return (rank + 1) * (iteration + 1) + layer + (np.arange(size) % 5)
+
+
+def to_float(array: np.ndarray, dtype: str) -> list[float]:
+    if dtype == "bfloat16":  # raw words → float32
+        return ((array.astype(np.uint32) << 16).view(np.float32)).tolist()
+    return array.astype(np.float64).tolist()
+
+
+def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return values
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out: dict[str, object] = {"rank": spec["rank"], "iterations": []}
+    try:
+        with Client(
+            job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
+            local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
+            coordinator=spec["coordinator"], socket=spec["socket"], timeout=spec["timeout"],
+        ) as client:
+            layers = [(name, size) for name, size in spec["layers"]]
+            grads = client.register(
+                layers, dtype=spec["dtype"], op=spec["op"], planner=spec.get("planner", "wfbp")
+            )
+            print(json.dumps({"registered": True, "groups": client.groups}), flush=True)
+            for iteration in range(spec["iterations"]):
+                if iteration == spec.get("die_at"):
+                    os._exit(17)  # vanish without goodbye, like a crashed trainer
+                for index, (_, size) in enumerate(layers):
+                    grads[index][:] = from_float(
+                        value(spec["rank"], iteration, index, size), spec["dtype"]
+                    )
+                for index in reversed(range(len(layers))):
+                    client.ready(index)
+                client.wait()
+                out["iterations"].append(  # type: ignore[union-attr]
+                    [to_float(g, spec["dtype"]) for g in grads]
+                )
+    except CommdError as exc:
+        out["error"] = str(exc)
+        out["error_type"] = type(exc).__name__
+        out["code"] = str(exc.code)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

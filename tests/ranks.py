@@ -1,0 +1,81 @@
+"""Start rank_worker.py processes for a job and collect their JSON results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rank_worker import value
+
+WORKER = str(Path(__file__).with_name("rank_worker.py"))
+
+
+@dataclass
+class JobSpec:
+    job: str
+    nodes: list[Any]  # DaemonProcess per node
+    ranks_per_node: int
+    layers: list[tuple[str, int]]
+    dtype: str = "float32"
+    op: str = "sum"
+    iterations: int = 3
+    planner: str = "wfbp"
+    timeout: float = 60.0
+    overrides: dict[int, dict[str, Any]] = field(default_factory=dict)  # per rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.ranks_per_node
+
+
+def start_ranks(spec: JobSpec) -> list[subprocess.Popen[str]]:
+    processes = []
+    for rank in range(spec.world_size):
+        node = rank // spec.ranks_per_node
+        worker_spec = {
+            "job": spec.job, "rank": rank, "world_size": spec.world_size,
+            "local_rank": rank % spec.ranks_per_node, "local_world_size": spec.ranks_per_node,
+            "coordinator": spec.nodes[0].address, "socket": spec.nodes[node].socket,
+            "timeout": spec.timeout, "layers": spec.layers, "dtype": spec.dtype, "op": spec.op,
+            "iterations": spec.iterations, "planner": spec.planner,
+            **spec.overrides.get(rank, {}),
+        }
+        processes.append(subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(worker_spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    return processes
+
+
+def collect(processes: list[subprocess.Popen[str]], timeout: float = 90.0) -> list[dict[str, Any]]:
+    """The final JSON line of every rank; kills stragglers so nothing outlives the test."""
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            lines = [line for line in stdout.splitlines() if line.startswith("{")]
+            final = json.loads(lines[-1]) if lines else {}
+            final["returncode"] = process.returncode
+            final["stderr"] = stderr
+            results.append(final)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def expected(spec: JobSpec, iteration: int) -> list[np.ndarray]:
+    """The reduced value every rank must see, computed in float64."""
+    sums = [
+        sum(value(r, iteration, i, size).astype(np.float64) for r in range(spec.world_size))
+        for i, (_, size) in enumerate(spec.layers)
+    ]
+    return [s / spec.world_size for s in sums] if spec.op == "avg" else sums

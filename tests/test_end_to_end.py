@@ -1,0 +1,119 @@
+"""Two real daemons on 127.0.0.1, real ranks as processes, exact results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ranks import JobSpec, collect, expected, start_ranks
+
+LAYERS = [("conv1.weight", 27), ("conv1.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
+
+
+def assert_exact(spec: JobSpec, results: list[dict]) -> None:
+    for result in results:
+        assert "error" not in result, result
+        assert result["returncode"] == 0, result["stderr"]
+        assert len(result["iterations"]) == spec.iterations
+        for iteration, layers in enumerate(result["iterations"]):
+            for got, want in zip(layers, expected(spec, iteration), strict=True):
+                np.testing.assert_array_equal(np.array(got), want)
+
+
+@pytest.mark.timeout(180)
+def test_two_jobs_at_once_two_ranks_per_node(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    sum_job = JobSpec("job-sum", nodes, 2, LAYERS, dtype="float32", op="sum", iterations=4)
+    avg_job = JobSpec("job-avg", nodes, 2, LAYERS, dtype="float64", op="avg", iterations=4,
+                      planner="syncea")
+    running = [start_ranks(sum_job), start_ranks(avg_job)]
+    assert_exact(sum_job, collect(running[0]))
+    assert_exact(avg_job, collect(running[1]))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_dtypes(start_daemon, dtype: str) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    spec = JobSpec(f"job-{dtype}", nodes, 2, LAYERS, dtype=dtype, op="avg", iterations=2)
+    assert_exact(spec, collect(start_ranks(spec)))
+
+
+@pytest.mark.timeout(120)
+def test_lost_rank_fails_every_other_rank_and_other_jobs_go_on(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    doomed = JobSpec("doomed", nodes, 2, LAYERS, iterations=5, timeout=60,
+                     overrides={3: {"die_at": 2}})
+    healthy = JobSpec("healthy", nodes, 1, LAYERS, iterations=3)
+    doomed_ranks = start_ranks(doomed)
+    results = collect(doomed_ranks)
+    assert results[3]["returncode"] == 17
+    for result in results[:3]:
+        assert result["error_type"] == "CommdError", result
+        assert "rank 3" in result["error"], result["error"]
+        assert result["error"].startswith("commd: ")
+        assert len(result["iterations"]) == 2
+    # The daemons keep serving: a new job on the same daemons completes.
+    assert_exact(healthy, collect(start_ranks(healthy)))
+
+
+@pytest.mark.timeout(120)
+def test_layer_mismatch_is_reported_to_every_rank(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    other_layers = [*LAYERS[:2], ("fc.weight", 131), LAYERS[3]]
+    spec = JobSpec("mismatch", nodes, 1, LAYERS, overrides={1: {"layers": other_layers}})
+    results = collect(start_ranks(spec))
+    for result in results:
+        assert result.get("code") == "mismatch", result
+        assert "first differing layer is 2" in result["error"]
+        assert "ranks [0]" in result["error"] and "ranks [1]" in result["error"]
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_running_job(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    spec = JobSpec("observed", nodes, 1, LAYERS, iterations=1000, timeout=30)
+    processes = start_ranks(spec)
+    try:
+        for process in processes:  # the first line says the job formed
+            assert process.stdout is not None
+            assert json.loads(process.stdout.readline())["registered"]
+        out = subprocess.run(
+            [sys.executable, "-m", "commd.cli", "status", "--socket", nodes[1].socket, "--json"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+        status = json.loads(out)
+        assert status["backend"] == "gloo" and status["uptime_s"] > 0
+        (job,) = status["jobs"]
+        assert job["job"] == "observed" and job["world_size"] == 2
+        assert job["local_ranks"] == [1] and job["nodes"] == 2 and job["node_index"] == 1
+        assert job["planner"] == "wfbp" and len(job["groups"]) == len(LAYERS)
+        table = subprocess.run(
+            [sys.executable, "-m", "commd.cli", "status", "--socket", nodes[0].socket],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+        assert "observed" in table and "running" in table
+    finally:
+        for process in processes:
+            process.kill()
+        collect(processes)
+
+
+def test_sigterm_removes_socket_and_segments(start_daemon) -> None:
+    node = start_daemon()
+    spec = JobSpec("single", [node], 2, LAYERS, iterations=1000, timeout=30)
+    processes = start_ranks(spec)
+    for process in processes:
+        assert process.stdout is not None
+        assert json.loads(process.stdout.readline())["registered"]
+    assert node.stop() == 0
+    results = collect(processes)
+    for result in results:
+        assert result.get("code") in ("shutdown", "rank_lost"), result
+    import os
+
+    assert not os.path.exists(node.socket)
