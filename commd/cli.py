@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__, settings
 
@@ -48,22 +47,25 @@ def _run_daemon(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings.log_once(config, logging.getLogger("commd"))
-    try:
-        import uvloop
+    import uvloop
 
-        runner = uvloop.run
-    except ImportError:  # uvloop is a dependency, but don't refuse to run without it
-        runner = asyncio.run
     try:
-        runner(Daemon(config).run())
+        uvloop.run(Daemon(config).run())
     except StartupError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one `commd: ` line (subcommand parsers inherit this class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"commd: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="commd",
         description="commd: a per-node gradient communication daemon for data-parallel training",
     )

@@ -157,7 +157,7 @@ class Job:
         except SegmentError as exc:
             raise JobError(str(exc)) from None
         if total * dtype.itemsize > segment.nbytes:
-            segment.close()
+            segment.detach()
             raise JobError(
                 f"layers need {total * dtype.itemsize} bytes but segment "
                 f"{message.shm_name!r} holds {segment.nbytes}"
@@ -326,7 +326,7 @@ class Job:
                 member.waiting = None
                 self.ctx.send_client(member.identity, Done(iteration=iteration))
 
-    # --- failure and departure ---------------------------------------------------------------------
+    # --- failure and departure -------------------------------------------------------------------
 
     def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None:
         """Latch the failure, tell every local rank and (once) the coordinator."""
@@ -356,7 +356,9 @@ class Job:
                 "check that rank's log",
             )
         elif self.state == "running" and self._iteration_in_flight():
-            self.fail(ErrorCode.RANK_LOST, f"rank {member.rank} closed in the middle of an iteration")
+            self.fail(
+                ErrorCode.RANK_LOST, f"rank {member.rank} closed in the middle of an iteration"
+            )
 
     def _iteration_in_flight(self) -> bool:
         marked = self.pipeline is not None and bool(self.pipeline._marked.any())

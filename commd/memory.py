@@ -45,9 +45,13 @@ class SharedSegment:
     def array(self, dtype: np.dtype, count: int) -> np.ndarray:
         return np.frombuffer(self._map, dtype=dtype, count=count)
 
+    def detach(self) -> None:
+        """Drop the mapping but leave the segment to its owner (a refused register)."""
+        with contextlib.suppress(BufferError):  # views still in use keep it alive
+            self._map.close()
+
     def close(self) -> None:
-        """Unlink the name and drop the mapping (views still in use keep it alive)."""
+        """Unlink the name and drop the mapping: the job is over."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        self.detach()

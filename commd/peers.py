@@ -30,7 +30,7 @@ class PeerLinks:
     def send(self, address: str, message: msgspec.Struct) -> None:
         socket = self._links.get(address) or self._open(address)
         future = socket.send(encode(message))
-        future.add_done_callback(_log_failure)
+        future.add_done_callback(_log_failure)  # type: ignore[attr-defined]
 
     def _open(self, address: str) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.DEALER)

@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .engines import Engine
-from .engines import host_ops
+from .engines import Engine, host_ops
 
 # Below this many bytes a memory op is cheaper inline than a hop to a worker thread.
 _INLINE_BYTES = 256 * 1024

@@ -106,7 +106,8 @@ class Daemon:
             loop.create_task(self._serve_peers(), name="commd-peers"),
             loop.create_task(sdnotify.watchdog_loop(), name="commd-watchdog"),
         ]
-        sdnotify.ready(f"serving {self.settings.socket}, peers on {self.settings.listen_host}:{self.peer_port}")
+        peers = f"{self.settings.listen_host}:{self.peer_port}"
+        sdnotify.ready(f"serving {self.settings.socket}, peers on {peers}")
         log.info("serving clients on %s, peers on port %d", self.settings.socket, self.peer_port)
 
     def _bind_clients(self) -> None:
@@ -297,7 +298,7 @@ class Daemon:
         if self._clients is None:
             return
         future = self._clients.send_multipart([identity, encode(message)])
-        future.add_done_callback(_ignore_result)
+        future.add_done_callback(_ignore_result)  # type: ignore[attr-defined]
 
     def _job_context(self) -> JobContext:
         return JobContext(
@@ -336,7 +337,8 @@ class Daemon:
 
     def _send_peer_reply(self, node: bytes, message: msgspec.Struct) -> None:
         if self._peers is not None:
-            self._peers.send_multipart([node, encode(message)]).add_done_callback(_ignore_result)
+            future = self._peers.send_multipart([node, encode(message)])
+            future.add_done_callback(_ignore_result)  # type: ignore[attr-defined]
 
     def _store_port(self) -> int:
         return self._rendezvous.port(self.settings.listen_host)

@@ -41,7 +41,7 @@ __all__ = [
     "simulate",
 ]
 
-DEFAULT_PLANNERS = ("wfbp", "syncea", "ddp", "horovod", "fixed:25MB", "mgwfbp", "optimal")
+DEFAULT_PLANNERS = ("wfbp", "syncea", "ddp", "horovod", "fixed-25MB", "mgwfbp", "optimal")
 _MAX_NODES = 1 << 20
 _ParserT = TypeVar("_ParserT", bound=argparse.ArgumentParser)
 

@@ -28,7 +28,7 @@ def query(socket_path: str, timeout_s: float = 3.0) -> dict[str, Any]:
     """The daemon's status object; NoDaemon with a one-line reason when none answers."""
     if not os.path.exists(socket_path):
         raise NoDaemon(f"commd: no daemon socket at {socket_path}; is `commd run` running?")
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -151,7 +151,8 @@ class Client:
         np_dtype = numpy_dtype(dtype)
         self._sizes = [int(size) for _, size in layers]
         total = sum(self._sizes)
-        self._segment = GradientSegment(segment_name(self.job, self.rank), total * np_dtype.itemsize)
+        name = segment_name(self.job, self.rank)
+        self._segment = GradientSegment(name, total * np_dtype.itemsize)
         flat = np.frombuffer(self._segment.buf, dtype=np_dtype, count=total)
         offsets = backward_offsets(self._sizes)
         views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]

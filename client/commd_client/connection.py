@@ -26,7 +26,7 @@ class Connection:
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # don't queue for a daemon not there yet

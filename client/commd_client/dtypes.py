@@ -8,7 +8,7 @@ from commd_protocol import DTYPES, CommdError
 
 # numpy has no bfloat16: such buffers are handed out as uint16 arrays holding the raw bits
 # (in torch: ``torch.from_numpy(a).view(torch.bfloat16)``).
-_NUMPY = {
+_NUMPY: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "float16": np.dtype(np.float16),

@@ -15,7 +15,9 @@ def backward_offsets(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def group_span(group: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]) -> tuple[int, int]:
+def group_span(
+    group: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]
+) -> tuple[int, int]:
     """(start, stop) element range of a group of adjacent layers in the flat buffer."""
     lowest, highest = min(group), max(group)
     return offsets[highest], offsets[lowest] + sizes[lowest]

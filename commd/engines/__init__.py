@@ -41,7 +41,7 @@ def choose_backend(requested: str) -> tuple[str, str]:
         if not usable:
             raise EngineError(f"commd: --backend {requested} cannot run here: {reason}")
         return requested, "requested"
-    reasons = []
+    reasons: list[str] = []
     for name in ("nccl", "gloo"):  # the GPU first: it is the production path
         usable, reason = engine_class(name).availability()
         if usable:

@@ -59,7 +59,7 @@ class GlooEngine(Engine):
         self._store = dist.TCPStore(
             config.store_host, config.store_port, None, False, timeout=timeout
         )
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.host)]
         options._timeout = timeout
         store = dist.PrefixStore(config.key, self._store)

@@ -6,6 +6,7 @@ Everything here is a pure function of its arguments; the presets are read-only c
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, overload
@@ -37,7 +38,7 @@ class LinearCost:
 
     def __post_init__(self) -> None:
         for field, value in (("alpha_s", self.alpha_s), ("beta_s_per_byte", self.beta_s_per_byte)):
-            if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{field} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field} must be finite and >= 0, got {value!r}")

@@ -25,6 +25,7 @@ _BY_NAME: dict[str, Planner] = {
 # The plain names; "fixed:SIZE" (e.g. fixed:25MB, fixed:128MiB, fixed:1048576) is accepted too.
 PLANNER_NAMES: tuple[str, ...] = tuple(_BY_NAME)
 _FIXED_PREFIX = "fixed:"
+_FIXED_PREFIXES = (_FIXED_PREFIX, "fixed-")
 
 
 def get_planner(name: str) -> Planner:
@@ -32,7 +33,7 @@ def get_planner(name: str) -> Planner:
     key = name.strip().lower()
     if key in _BY_NAME:
         return _BY_NAME[key]
-    if key.startswith(_FIXED_PREFIX):
+    if key.startswith(_FIXED_PREFIXES):  # "fixed:25MB", or "fixed-25MB" as in reports
         threshold = parse_size(name.strip()[len(_FIXED_PREFIX) :])
         return functools.partial(fixed, threshold_bytes=threshold)
     valid = ", ".join([*PLANNER_NAMES, "fixed:SIZE (e.g. fixed:25MB, fixed:128MiB)"])

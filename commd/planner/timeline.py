@@ -9,6 +9,7 @@ all-reduce starts when its lowest layer is ready and the previous all-reduce has
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ def check_layers(sizes_bytes: Sequence[int], backward_s: Sequence[float]) -> Non
         if not valid:
             raise ValueError(f"sizes_bytes[{layer}] must be an integer >= 0, got {size!r}")
     for layer, seconds in enumerate(backward_s):
-        if isinstance(seconds, bool) or not (math.isfinite(seconds) and seconds >= 0):
+        real = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+        if not (real and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"backward_s[{layer}] must be finite and >= 0, got {seconds!r}")
 
 
@@ -122,7 +124,8 @@ def evaluate(
 ) -> PlanTiming:
     """Simulate one iteration of ``groups`` (validated first) under ``cost``."""
     check_layers(sizes_bytes, backward_s)
-    if isinstance(forward_s, bool) or not (math.isfinite(forward_s) and forward_s >= 0):
+    real = isinstance(forward_s, numbers.Real) and not isinstance(forward_s, bool)
+    if not (real and math.isfinite(forward_s) and forward_s >= 0):
         raise ValueError(f"forward_s must be finite and >= 0, got {forward_s!r}")
     validate_plan(groups, len(sizes_bytes))
     ready = ready_times(backward_s)

@@ -1,0 +1,88 @@
+"""Start local `commd run` daemons as subprocesses and stop them: for the demo, benchmarks and
+tests. Readiness comes from the daemon's own sd_notify READY=1, never from a sleep."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+READY_TIMEOUT_S = 30.0
+
+
+class LocalDaemon:
+    """One `commd run` on 127.0.0.1 with a random peer port and its own ipc socket."""
+
+    def __init__(self, workdir: Path | str, name: str, *extra: str,
+                 env: dict[str, str] | None = None, listen_host: str = "127.0.0.1") -> None:
+        workdir = Path(workdir)
+        self.name = name
+        self.socket = str(workdir / f"{name}.sock")
+        self.log_path = workdir / f"{name}.log"
+        self._notify_dir = tempfile.mkdtemp(prefix="commd-notify-")
+        self._notify_path = os.path.join(self._notify_dir, "notify")
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(self._notify_path)
+        self._notify.settimeout(READY_TIMEOUT_S)
+        full_env = {**os.environ, "NOTIFY_SOCKET": self._notify_path, **(env or {})}
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "commd.cli", "run", "--socket", self.socket,
+             "--listen", f"{listen_host}:0", *extra],
+            env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        self.host = listen_host
+        self.notifications: list[str] = []
+        self.port = self._await_ready()
+
+    def _await_ready(self) -> int:
+        while True:
+            try:
+                datagram = self._notify.recv(4096).decode()
+            except TimeoutError:
+                self.stop()
+                raise RuntimeError(f"daemon {self.name} did not become ready:\n{self.log()}") \
+                    from None
+            self.notifications.append(datagram)
+            if "READY=1" in datagram.split("\n"):
+                match = re.search(r"peers on [^\s]+:(\d+)", datagram)
+                if not match:
+                    raise RuntimeError(f"daemon {self.name} sent no port: {datagram!r}")
+                return int(match.group(1))
+            if self.process.poll() is not None:
+                raise RuntimeError(f"daemon {self.name} exited:\n{self.log()}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        self._notify.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._notify_path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._notify_dir)
+        return self.process.returncode
+
+
+def commd_segments() -> set[str]:
+    """Names of commd's shared-memory segments now in /dev/shm."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("commd-")}

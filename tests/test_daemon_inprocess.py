@@ -1,0 +1,220 @@
+"""The daemon in-process, spoken to over its real ipc socket with raw MessagePack frames, as a
+client in another language would. Bad input gets a typed error; the daemon keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from commd.server import Daemon
+from commd.settings import Settings
+from commd_client.shm import GradientSegment
+from commd_protocol import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class RawClient:
+    def __init__(self, context: zmq.asyncio.Context, path: str) -> None:
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"ipc://{path}")
+
+    async def send(self, message: dict[str, Any] | bytes) -> None:
+        await self.socket.send(message if isinstance(message, bytes) else msgpack.packb(message))
+
+    async def receive(self) -> dict[str, Any]:
+        frame = await asyncio.wait_for(self.socket.recv(), 10)
+        reply: dict[str, Any] = msgpack.unpackb(frame)
+        return reply
+
+    async def ask(self, message: dict[str, Any] | bytes) -> dict[str, Any]:
+        await self.send(message)
+        return await self.receive()
+
+
+def hello(job: str = "j", rank: int = 0, world: int = 1, local: int = 0, local_world: int = 1,
+          **extra: Any) -> dict[str, Any]:
+    return {"type": "hello", "protocol": PROTOCOL_VERSION, "job": job, "rank": rank,
+            "world_size": world, "local_rank": local, "local_world_size": local_world,
+            "coordinator": extra.pop("coordinator", "127.0.0.1:1"), **extra}
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    settings = Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0", backend="gloo",
+                        timeout_s=20)
+    instance = Daemon(settings)
+    task = asyncio.create_task(instance.run())
+    while instance.peer_port == 0 or not os.path.exists(settings.socket):
+        await asyncio.sleep(0.01)  # polling a condition, bounded by the test timeout
+    yield instance
+    instance.stop()
+    await asyncio.wait_for(task, 20)
+    assert not os.path.exists(settings.socket)
+
+
+@pytest.fixture
+async def connect(daemon: Daemon) -> AsyncIterator[Any]:
+    context = zmq.asyncio.Context()
+    clients: list[RawClient] = []
+
+    def make() -> RawClient:
+        client = RawClient(context, daemon.settings.socket)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.socket.close(linger=0)
+    context.term()
+
+
+@pytest.fixture
+def segments() -> Any:
+    made: list[GradientSegment] = []
+
+    def make(nbytes: int) -> GradientSegment:
+        segment = GradientSegment(f"commd-test-{len(made)}-{os.getpid()}", nbytes)
+        made.append(segment)
+        return segment
+
+    yield make
+    for segment in made:
+        segment.close()
+
+
+def coordinator_of(daemon: Daemon) -> str:
+    return f"127.0.0.1:{daemon.peer_port}"
+
+
+async def still_serving(client: RawClient) -> None:
+    reply = await client.ask({"type": "status"})
+    assert reply["type"] == "status_reply" and reply["status"]["backend"] == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "words"),
+    [
+        (b"\xc1\xc1garbage", "malformed", "not a MessagePack message"),
+        (msgpack.packb([1, 2, 3]), "malformed", "must be a map"),
+        (msgpack.packb({"type": "launch_missiles"}), "unknown_type", "known types"),
+        (msgpack.packb({"type": "hello", "rank": "zero"}), "malformed", "$.rank"),
+        (msgpack.packb({"type": "ready", "layers": [0]}), "out_of_order", "before hello"),
+        (msgpack.packb({"type": "wait", "iteration": 0}), "out_of_order", "before hello"),
+        (msgpack.packb({"type": "register", "layers": [], "dtype": "float32", "op": "sum",
+                        "shm_name": "x"}), "out_of_order", "before hello"),
+        (msgpack.packb({"type": "status", "pad": "x" * (5 << 20)}), "too_large", "over the limit"),
+    ],
+)
+async def test_bad_frames_get_typed_errors(connect: Any, frame: bytes, code: str,
+                                           words: str) -> None:
+    client = connect()
+    reply = await client.ask(frame)
+    assert reply["type"] == "error" and reply["code"] == code, reply
+    assert reply["message"].startswith("commd: ") and words in reply["message"], reply
+    await still_serving(client)
+
+
+async def test_multipart_frame_is_refused(connect: Any) -> None:
+    client = connect()
+    await client.socket.send_multipart([b"a", b"b"])
+    reply = await client.receive()
+    assert reply["code"] == "malformed"
+    await still_serving(client)
+
+
+async def test_hello_errors(daemon: Daemon, connect: Any) -> None:
+    client = connect()
+    reply = await client.ask(hello(protocol=PROTOCOL_VERSION + 1))
+    assert reply["code"] == "version" and "protocol version" in reply["message"]
+    reply = await client.ask(hello(rank=3, world=2))
+    assert reply["code"] == "invalid" and "rank 3" in reply["message"]
+    reply = await client.ask(hello(job="bad job id!"))
+    assert reply["code"] == "invalid" and "job id" in reply["message"]
+    assert (await client.ask(hello()))["type"] == "welcome"
+    assert (await client.ask(hello()))["code"] == "out_of_order"  # twice on one connection
+    other = connect()
+    reply = await other.ask(hello())  # same job, same local rank
+    assert reply["code"] == "mismatch" and "already connected" in reply["message"]
+    reply = await connect().ask(hello(world=2, rank=1))  # disagrees with the job's world size
+    assert reply["code"] == "mismatch" and "world_size" in reply["message"]
+    assert [job["job"] for job in daemon.status()["jobs"]] == ["j"]  # type: ignore[index]
+
+
+async def test_register_errors_change_nothing(daemon: Daemon, connect: Any,
+                                              segments: Any) -> None:
+    client = connect()
+    await client.ask(hello(coordinator=coordinator_of(daemon)))
+    small = segments(16)
+    base = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp"}
+    reply = await client.ask({**base, "layers": [{"name": "w", "size": 8}],
+                              "shm_name": small.name})
+    assert reply["code"] == "invalid" and "need 32 bytes" in reply["message"]
+    reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}],
+                              "shm_name": "commd-no-such-segment"})
+    assert reply["code"] == "invalid" and "commd-no-such-segment" in reply["message"]
+    reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}], "dtype": "int8",
+                              "shm_name": small.name})
+    assert reply["code"] == "invalid" and "dtype" in reply["message"]
+    reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}], "planner": "magic",
+                              "shm_name": small.name})
+    assert reply["code"] == "invalid" and "optimal" in reply["message"]
+    reply = await client.ask({"type": "wait", "iteration": 0})
+    assert reply["code"] == "out_of_order" and "wait before register" in reply["message"]
+    # After all that, a correct register still works.
+    reply = await client.ask({**base, "layers": [{"name": "w", "size": 4}],
+                              "shm_name": small.name})
+    assert reply["type"] == "registered" and reply["nodes"] == 1, reply
+
+
+async def test_a_job_in_another_language_with_bad_readies(daemon: Daemon, connect: Any,
+                                                          segments: Any) -> None:
+    """Two local ranks, raw msgpack: bad readies are refused and the iteration still sums."""
+    sizes = [3, 5]
+    ranks = [connect(), connect()]
+    buffers = []
+    for local, client in enumerate(ranks):
+        welcome = await client.ask(hello(job="raw", rank=local, world=2, local=local,
+                                         local_world=2, coordinator=coordinator_of(daemon)))
+        assert welcome["type"] == "welcome"
+        segment = segments(4 * sum(sizes))
+        buffers.append(np.frombuffer(segment.buf, dtype=np.float32, count=sum(sizes)))
+        await client.send({"type": "register", "dtype": "float32", "op": "sum",
+                           "planner": "wfbp", "shm_name": segment.name,
+                           "layers": [{"name": f"l{i}", "size": n} for i, n in enumerate(sizes)]})
+    for client in ranks:
+        reply = await client.receive()
+        assert reply["type"] == "registered" and reply["groups"] == [[1], [0]], reply
+    for iteration in range(3):
+        for local, client in enumerate(ranks):
+            buffers[local][:] = np.arange(8) + 10 * local + iteration
+            await client.send({"type": "ready", "layers": [1]})
+        if iteration == 0:
+            reply = await ranks[0].ask({"type": "ready", "layers": [1]})
+            assert reply["code"] == "invalid" and "twice" in reply["message"]
+            reply = await ranks[0].ask({"type": "ready", "layers": [7]})
+            assert reply["code"] == "invalid" and "unknown layer 7" in reply["message"]
+            reply = await ranks[0].ask({"type": "wait", "iteration": 5})
+            assert reply["code"] == "out_of_order"
+        for client in ranks:
+            await client.send({"type": "ready", "layers": [0]})
+            await client.send({"type": "wait", "iteration": iteration})
+        for local, client in enumerate(ranks):
+            assert await client.receive() == {"type": "done", "iteration": iteration}
+            expected = 2 * (np.arange(8) + iteration) + 10
+            np.testing.assert_array_equal(buffers[local], expected)
+    status = daemon.status()["jobs"][0]  # type: ignore[index]
+    assert status["iteration"] == 3 and status["state"] == "running"
+    for client in ranks:
+        await client.send({"type": "goodbye"})
+    await still_serving(connect())
