@@ -12,14 +12,23 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from commd_protocol import ErrorCode, PeerAbort, PeerJoin, PeerLeave, PeerSetup
+from commd_client.dtypes import itemsize
+from commd_protocol import (
+    ErrorCode,
+    PeerAbort,
+    PeerJoin,
+    PeerLeave,
+    PeerPlan,
+    PeerProfile,
+    PeerSetup,
+)
 
 from .jobs import describe_difference
+from .replanner import Replanner
 
 log = logging.getLogger("commd.coordinator")
 
 SendNode = Callable[[bytes, msgspec.Struct], None]
-Plan = Callable[[PeerJoin], list[list[int]]]
 
 
 @dataclass
@@ -29,12 +38,13 @@ class Formation:
     joins: dict[bytes, PeerJoin] = field(default_factory=dict)
     generation: int = 0
     formed: bool = False
+    replanner: Replanner | None = None
+    reports: dict[int, dict[bytes, PeerProfile]] = field(default_factory=dict)
 
 
 class Coordinator:
-    def __init__(self, send: SendNode, plan: Plan, store_port: Callable[[], int]) -> None:
+    def __init__(self, send: SendNode, store_port: Callable[[], int]) -> None:
         self._send = send
-        self._plan = plan
         self._store_port = store_port
         self._jobs: dict[str, Formation] = {}
         self._generation = 0
@@ -46,6 +56,8 @@ class Coordinator:
             self._on_abort(node, message)
         elif isinstance(message, PeerLeave):
             self._on_leave(node, message)
+        elif isinstance(message, PeerProfile):
+            self._on_profile(node, message)
 
     def _on_join(self, node: bytes, join: PeerJoin) -> None:
         formation = self._jobs.get(join.job)
@@ -92,7 +104,8 @@ class Coordinator:
         self._generation += 1
         formation.generation, formation.formed = self._generation, True
         first = order[0][1]
-        groups = self._plan(first)
+        sizes = [layer.size * itemsize(first.dtype) for layer in first.layers]
+        formation.replanner = Replanner(first.planner, sizes)
         store_port = self._store_port() if len(order) > 1 else 0
         for index, (node, _join) in enumerate(order):
             self._send(
@@ -103,14 +116,36 @@ class Coordinator:
                     node_index=index,
                     nodes=len(order),
                     store_port=store_port,
-                    groups=groups,
                     planner=first.planner,
                 ),
             )
-        log.info(
-            "job %s formed: %d nodes, %d ranks, %d groups",
-            formation.job, len(order), formation.world_size, len(groups),
+        log.info("job %s formed: %d nodes, %d ranks", formation.job, len(order),
+                 formation.world_size)
+
+    def _on_profile(self, node: bytes, profile: PeerProfile) -> None:
+        """Once every node has reported a round, decide its plan and tell every node."""
+        formation = self._jobs.get(profile.job)
+        if formation is None or formation.replanner is None or node not in formation.joins:
+            return
+        round_reports = formation.reports.setdefault(profile.round, {})
+        round_reports[node] = profile
+        if len(round_reports) < len(formation.joins):
+            return
+        del formation.reports[profile.round]
+        decision = formation.replanner.decide(list(round_reports.values()))
+        if decision.reason != "no drift":
+            log.info("job %s plan v%d from iteration %d: %d groups (%s)", profile.job,
+                     decision.version, decision.effective_iteration, len(decision.groups),
+                     decision.reason)
+        message = PeerPlan(
+            job=profile.job, round=profile.round,
+            effective_iteration=decision.effective_iteration, version=decision.version,
+            groups=decision.groups, alpha_s=decision.cost.alpha_s,
+            beta_s_per_byte=decision.cost.beta_s_per_byte,
+            predicted_comm_s=decision.predicted_comm_s, reason=decision.reason,
         )
+        for member in formation.joins:
+            self._send(member, message)
 
     def _abort_all(self, formation: Formation, code: str, message: str) -> None:
         text = f"commd: job {formation.job!r}: {message}"

@@ -18,7 +18,6 @@ import msgspec
 import numpy as np
 
 from commd_client.dtypes import numpy_dtype
-from commd_client.layout import backward_offsets, group_span
 from commd_protocol import (
     DTYPES,
     OPS,
@@ -30,6 +29,8 @@ from commd_protocol import (
     PeerAbort,
     PeerJoin,
     PeerLeave,
+    PeerPlan,
+    PeerProfile,
     PeerSetup,
     Register,
     Registered,
@@ -37,7 +38,8 @@ from commd_protocol import (
 
 from .engines import Engine, EngineConfig, EngineError, create_engine
 from .memory import SegmentError, SharedSegment
-from .pipeline import Pipeline, ReadyError
+from .pipeline import Pipeline, ReadyError, make_plan
+from .profiler import DECISION_LAG, REPORT_EVERY, IterationRecord, NodeProfiler
 
 log = logging.getLogger("commd.jobs")
 
@@ -79,6 +81,7 @@ class JobContext:
     send_client: SendClient
     send_peer: SendPeer
     validate_planner: Callable[[str], None]
+    default_planner: str
 
 
 class Job:
@@ -94,6 +97,10 @@ class Job:
         self.setup: PeerSetup | None = None
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
+        self.profiler: NodeProfiler | None = None
+        self.last_plan: PeerPlan | None = None
+        self.measured_comm_s = 0.0
+        self.recent_iterations_s: list[float] = []
         self.created = time.time()
         self._closed = False
 
@@ -149,6 +156,8 @@ class Job:
         """Attach the rank's buffer; once every local rank is in, ask the coordinator to join."""
         if member.registration is not None:
             raise JobError("register sent twice", ErrorCode.OUT_OF_ORDER)
+        if not message.planner:
+            message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
         self._check_register(message)
         dtype = numpy_dtype(message.dtype)
         total = sum(layer.size for layer in message.layers)
@@ -226,6 +235,7 @@ class Job:
     # --- set-up ----------------------------------------------------------------------------------
 
     async def on_setup(self, setup: PeerSetup) -> None:
+        """Join the engine group, probe the network, report, then wait for the first plan."""
         if self.state != "joining":
             log.warning("job %s: ignoring set-up in state %s", self.id, self.state)
             return
@@ -254,17 +264,23 @@ class Job:
                 engine.close()
             return
         self.engine = engine
-        self._start_pipeline(setup)
+        self.pipeline = self._make_pipeline()
+        try:
+            probe = await self.pipeline.probe()
+        except EngineError as exc:
+            self.fail(ErrorCode.ENGINE, f"network probe failed: {exc}")
+            return
+        self.ctx.send_peer(
+            self.coordinator, PeerProfile(job=self.id, round=0, iteration=-1, comm=probe)
+        )
 
-    def _start_pipeline(self, setup: PeerSetup) -> None:
+    def _make_pipeline(self) -> Pipeline:
         members = sorted(self.ranks.values(), key=lambda r: r.local_rank)
         reg = members[0].registration
         assert reg is not None
-        sizes = [layer.size for layer in reg.layers]
-        offsets = backward_offsets(sizes)
-        self.pipeline = Pipeline(
-            groups=setup.groups,
-            spans=[group_span(g, sizes, offsets) for g in setup.groups],
+        self.profiler = NodeProfiler(len(reg.layers))
+        return Pipeline(
+            sizes=[layer.size for layer in reg.layers],
             buffers=[m.buffer for m in members if m.buffer is not None],
             dtype=reg.dtype,
             op=reg.op,
@@ -272,20 +288,53 @@ class Job:
             engine=self.engine,
             executor=self.ctx.executor,
             on_complete=self._iteration_done,
+            on_record=self._record,
             on_failure=lambda exc: self.fail(ErrorCode.ENGINE, f"collective failed: {exc}"),
         )
+
+    def on_plan(self, decision: PeerPlan) -> None:
+        """The coordinator's plan for a round; round 0's starts the job."""
+        if self.pipeline is None or self.state not in ("starting", "running"):
+            return
+        self.last_plan = decision
+        self.pipeline.schedule(
+            decision.effective_iteration,
+            make_plan(decision.version, decision.groups, self.pipeline.sizes),
+        )
+        if self.state == "starting":
+            self._start_running(decision)
+
+    def _start_running(self, decision: PeerPlan) -> None:
+        assert self.pipeline is not None and self.setup is not None
         self.pipeline.start()
         self.state = "running"
         reply = Registered(
-            nodes=setup.nodes, node_index=setup.node_index, groups=setup.groups,
-            planner=setup.planner,
+            nodes=self.setup.nodes, node_index=self.setup.node_index, groups=decision.groups,
+            planner=self.setup.planner,
         )
-        for member in members:
+        for member in self.ranks.values():
             self.ctx.send_client(member.identity, reply)
         log.info(
             "job %s running: node %d of %d, %d local ranks, %d groups (%s)",
-            self.id, setup.node_index, setup.nodes, len(members), len(setup.groups), setup.planner,
+            self.id, self.setup.node_index, self.setup.nodes, len(self.ranks),
+            len(decision.groups), self.setup.planner,
         )
+
+    def _record(self, record: IterationRecord) -> None:
+        """Every REPORT_EVERY iterations, send this node's profile to the coordinator."""
+        assert self.profiler is not None and self.pipeline is not None
+        self.profiler.add(record)
+        self.measured_comm_s = record.exposed_comm_s
+        self.recent_iterations_s = [*self.recent_iterations_s[-99:], record.iteration_s]
+        if (record.iteration + 1) % REPORT_EVERY:
+            return
+        offsets, comm, exposed, iteration_s = self.profiler.summary()
+        self.pipeline.expect_decision(record.iteration + 1 + DECISION_LAG)
+        self.ctx.send_peer(self.coordinator, PeerProfile(
+            job=self.id, round=(record.iteration + 1) // REPORT_EVERY,
+            iteration=record.iteration, ready_offsets_s=offsets, comm=comm,
+            measured_comm_s=exposed, iteration_s=iteration_s,
+        ))
 
     # --- iterations ------------------------------------------------------------------------------
 
@@ -311,7 +360,8 @@ class Job:
                 ErrorCode.OUT_OF_ORDER,
             )
         if iteration < self.pipeline.iteration:
-            self.ctx.send_client(member.identity, Done(iteration=iteration))
+            version = self.pipeline.plan.version if self.pipeline.plan else 0
+            self.ctx.send_client(member.identity, Done(iteration=iteration, plan=version))
         elif iteration == self.pipeline.iteration:
             member.waiting = iteration
         else:
@@ -320,11 +370,11 @@ class Job:
                 ErrorCode.OUT_OF_ORDER,
             )
 
-    def _iteration_done(self, iteration: int) -> None:
+    def _iteration_done(self, iteration: int, plan_version: int) -> None:
         for member in self.ranks.values():
             if member.waiting == iteration:
                 member.waiting = None
-                self.ctx.send_client(member.identity, Done(iteration=iteration))
+                self.ctx.send_client(member.identity, Done(iteration=iteration, plan=plan_version))
 
     # --- failure and departure -------------------------------------------------------------------
 
@@ -361,7 +411,7 @@ class Job:
             )
 
     def _iteration_in_flight(self) -> bool:
-        marked = self.pipeline is not None and bool(self.pipeline._marked.any())
+        marked = self.pipeline is not None and self.pipeline.in_flight
         return marked or any(r.waiting is not None for r in self.ranks.values() if not r.left)
 
     @property
@@ -392,8 +442,8 @@ class Job:
 
     def status(self) -> dict[str, Any]:
         reg = next((r.registration for r in self.ranks.values() if r.registration), None)
-        setup = self.setup
-        stats = self.pipeline.stats if self.pipeline else None
+        setup, plan, pipeline = self.setup, self.last_plan, self.pipeline
+        recent = self.recent_iterations_s
         return {
             "job": self.id,
             "state": self.state,
@@ -401,13 +451,21 @@ class Job:
             "local_ranks": sorted(r.rank for r in self.ranks.values()),
             "nodes": setup.nodes if setup else None,
             "node_index": setup.node_index if setup else None,
-            "iteration": self.pipeline.iteration if self.pipeline else 0,
+            "iteration": pipeline.iteration if pipeline else 0,
             "planner": setup.planner if setup else (reg.planner if reg else None),
-            "groups": setup.groups if setup else [],
+            "plan_version": pipeline.plan.version if pipeline and pipeline.plan else None,
+            "groups": pipeline.plan.groups if pipeline and pipeline.plan else [],
+            "plan_history": pipeline.plan_history if pipeline else [],
+            "plan_reason": plan.reason if plan else None,
+            "alpha_s": plan.alpha_s if plan else None,
+            "beta_s_per_byte": plan.beta_s_per_byte if plan else None,
+            "predicted_comm_s": plan.predicted_comm_s if plan else None,
+            "measured_comm_s": self.measured_comm_s,
             "layers": len(reg.layers) if reg else 0,
             "dtype": reg.dtype if reg else None,
             "op": reg.op if reg else None,
-            "iteration_s": {"last": stats.last_s, "mean": stats.mean_s} if stats else None,
+            "iteration_s": {"last": recent[-1], "mean": sum(recent) / len(recent)}
+            if recent else None,
             "error": self.failure.message if self.failure else None,
         }
 

@@ -2,7 +2,8 @@
 
 Groups run in plan order on every node, so no per-iteration negotiation is needed. Each group
 is summed over the local ranks, all-reduced once among the nodes, scaled for avg and written
-back to every local rank; group g+1 is summed while group g is on the wire.
+back to every local rank; group g+1 is summed while group g is on the wire. Readiness is kept
+per layer, not per group, so a new plan can take over at any iteration boundary.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from commd_client.layout import backward_offsets, group_span
+
 from .engines import Engine, host_ops
+from .profiler import PROBE_ELEMENTS, PROBE_REPEATS, CommSample, IterationRecord
 
 # Below this many bytes a memory op is cheaper inline than a hop to a worker thread.
 _INLINE_BYTES = 256 * 1024
@@ -26,20 +30,17 @@ class ReadyError(ValueError):
     """A bad ready notification; the job carries on."""
 
 
-@dataclass
-class IterationStats:
-    """Measured times of recent iterations, for status and (later) the profiler."""
+@dataclass(frozen=True)
+class Plan:
+    version: int
+    groups: list[list[int]]
+    spans: list[tuple[int, int]]  # element range of each group in the flat buffer
 
-    completed: int = 0
-    last_s: float = 0.0
-    mean_s: float = 0.0
-    history: list[float] = field(default_factory=list)
 
-    def record(self, seconds: float) -> None:
-        self.completed += 1
-        self.last_s = seconds
-        self.history = [*self.history[-99:], seconds]
-        self.mean_s = sum(self.history) / len(self.history)
+def make_plan(version: int, groups: Sequence[Sequence[int]], sizes: Sequence[int]) -> Plan:
+    offsets = backward_offsets(sizes)
+    lists = [sorted(g) for g in groups]
+    return Plan(version, lists, [group_span(g, sizes, offsets) for g in lists])
 
 
 class Pipeline:
@@ -48,19 +49,18 @@ class Pipeline:
     def __init__(
         self,
         *,
-        groups: Sequence[Sequence[int]],
-        spans: Sequence[tuple[int, int]],
+        sizes: Sequence[int],
         buffers: Sequence[np.ndarray],
         dtype: str,
         op: str,
         world_size: int,
         engine: Engine | None,
         executor: Executor,
-        on_complete: Callable[[int], None],
+        on_complete: Callable[[int, int], None],
+        on_record: Callable[[IterationRecord], None],
         on_failure: Callable[[BaseException], None],
     ) -> None:
-        self.groups = [list(g) for g in groups]
-        self.spans = list(spans)
+        self.sizes = list(sizes)
         self.buffers = list(buffers)  # one flat array per local rank, local-rank order
         self.dtype = dtype
         self.op = op
@@ -68,19 +68,31 @@ class Pipeline:
         self.engine = engine
         self._executor = executor
         self._on_complete = on_complete
+        self._on_record = on_record
         self._on_failure = on_failure
-        layers = sum(len(g) for g in groups)
-        self._group_of = np.empty(layers, dtype=np.int64)
-        for index, group in enumerate(self.groups):
-            self._group_of[group] = index
-        self._marked = np.zeros((len(self.buffers), layers), dtype=bool)
-        self._missing = [0] * len(self.groups)
-        self._ready: list[asyncio.Event] = []
+        self._marked = np.zeros((len(self.buffers), len(self.sizes)), dtype=bool)
+        self._count = np.zeros(len(self.sizes), dtype=np.int64)
+        self._ready_at = np.zeros(len(self.sizes), dtype=np.float64)
+        self._changed = asyncio.Event()
+        self.plan: Plan | None = None
+        self._scheduled: dict[int, Plan] = {}  # effective iteration -> plan
+        self._required: set[int] = set()  # iterations that must not start without a decision
+        self._decided = asyncio.Event()
         self.iteration = 0
-        self.stats = IterationStats()
-        self._started_at = 0.0
+        self.plan_history: list[dict[str, int]] = []
         self._task: asyncio.Task[None] | None = None
-        self._reset()
+        self._last_wire_end = 0.0
+
+    # --- plans (from the control plane) ----------------------------------------------------------
+
+    def expect_decision(self, iteration: int) -> None:
+        """Iteration ``iteration`` waits until a plan decision for it has arrived."""
+        if iteration >= self.iteration:
+            self._required.add(iteration)
+
+    def schedule(self, effective_iteration: int, plan: Plan) -> None:
+        self._scheduled[max(effective_iteration, self.iteration)] = plan
+        self._decided.set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="commd-pipeline")
@@ -89,65 +101,112 @@ class Pipeline:
         if self._task is not None:
             self._task.cancel()
 
-    # --- readiness (called from the control plane) ---------------------------------------------
+    # --- readiness (from the control plane) ------------------------------------------------------
 
     def mark(self, local_index: int, layers: Sequence[int]) -> None:
         """Record ready layers of one local rank; raise ReadyError and change nothing if bad."""
         row = self._marked[local_index]
-        count = row.size
         for layer in layers:
-            if not 0 <= layer < count:
-                raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{count - 1}")
-        if len(set(layers)) != len(layers) or row[list(layers)].any():
-            twice = sorted({lay for lay in layers if row[lay] or list(layers).count(lay) > 1})
+            if not 0 <= layer < row.size:
+                raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
+        chosen = list(layers)
+        if len(set(chosen)) != len(chosen) or row[chosen].any():
+            twice = sorted({x for x in chosen if row[x] or chosen.count(x) > 1})
             raise ReadyError(
                 f"ready twice in iteration {self.iteration} for layer(s) {twice}; "
                 "wait for the iteration to finish before marking again"
             )
-        if not row.any() and not self._marked.any():
-            self._started_at = time.perf_counter()
-        row[list(layers)] = True
-        for layer in layers:
-            group = int(self._group_of[layer])
-            self._missing[group] -= 1
-            if self._missing[group] == 0:
-                self._ready[group].set()
+        row[chosen] = True
+        self._count[chosen] += 1
+        complete = [x for x in chosen if self._count[x] == len(self.buffers)]
+        if complete:
+            self._ready_at[complete] = time.perf_counter()
+            self._changed.set()
 
-    def _reset(self) -> None:
-        self._marked[:] = False
-        self._missing = [len(g) * len(self.buffers) for g in self.groups]
-        self._ready = [asyncio.Event() for _ in self.groups]
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._count.any())
 
     # --- execution -------------------------------------------------------------------------------
 
     async def _run(self) -> None:
         try:
             while True:
-                finishing = []
-                for index in range(len(self.groups)):
-                    await self._ready[index].wait()
-                    finishing.append(await self._launch(index))
-                await asyncio.gather(*finishing)
-                self.stats.record(time.perf_counter() - self._started_at)
-                done = self.iteration
-                self.iteration += 1
-                self._reset()
-                self._on_complete(done)
+                plan = await self._plan_for(self.iteration)
+                await self._iterate(plan)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             self._on_failure(exc)
 
-    async def _launch(self, index: int) -> asyncio.Future[Any]:
+    async def _plan_for(self, iteration: int) -> Plan:
+        while iteration in self._required and iteration not in self._scheduled:
+            self._decided.clear()
+            await self._decided.wait()
+        self._required.discard(iteration)
+        plan = self._scheduled.pop(iteration, None)
+        if plan is not None and (self.plan is None or plan.version != self.plan.version):
+            self.plan_history = [*self.plan_history[-9:],
+                                 {"iteration": iteration, "version": plan.version,
+                                  "groups": len(plan.groups)}]
+            self.plan = plan
+        assert self.plan is not None, "the first plan must be scheduled before start()"
+        return self.plan
+
+    async def _iterate(self, plan: Plan) -> None:
+        finishing = []
+        samples: list[CommSample] = []
+        for index, group in enumerate(plan.groups):
+            while self._count[group[0] : group[-1] + 1].min() < len(self.buffers):
+                self._changed.clear()
+                await self._changed.wait()
+            finishing.append(await self._launch(plan, index, samples))
+        await asyncio.gather(*finishing)
+        finished = time.perf_counter()
+        ready_at = self._ready_at.copy()
+        start = float(ready_at.min())
+        record = IterationRecord(
+            iteration=self.iteration,
+            ready_offsets_s=ready_at - start,
+            comm=samples,
+            exposed_comm_s=max(0.0, finished - float(ready_at.max())),
+            iteration_s=finished - start,
+        )
+        done = self.iteration
+        self.iteration += 1
+        self._marked[:] = False
+        self._count[:] = 0
+        self._on_record(record)
+        self._on_complete(done, plan.version)
+
+    async def _launch(
+        self, plan: Plan, index: int, samples: list[CommSample]
+    ) -> asyncio.Future[Any]:
         """Sum the local ranks into the first one's buffer, then put the group on the wire."""
-        start, stop = self.spans[index]
+        start, stop = plan.spans[index]
         views = [buffer[start:stop] for buffer in self.buffers]
         if len(views) > 1:
             await self._memory(host_ops.sum_into, views[0], views[1:], self.dtype)
         wire: asyncio.Future[Any] | None = None
         if self.engine is not None:
-            wire = self.engine.allreduce(views[0], self.dtype)
+            wire = self._timed(self.engine.allreduce(views[0], self.dtype),
+                               (self.iteration, index), views[0].nbytes, samples)
         return asyncio.ensure_future(self._finish(wire, views))
+
+    def _timed(self, wire: asyncio.Future[Any], key: tuple[int, int], nbytes: int,
+               samples: list[CommSample]) -> asyncio.Future[Any]:
+        # A collective waits behind the previous one on the engine's queue: its wire time
+        # starts when it was launched or when the previous one finished, whichever is later.
+        launched = time.perf_counter()
+
+        def record(_: asyncio.Future[Any]) -> None:
+            ended = time.perf_counter()
+            begin = max(launched, self._last_wire_end)
+            self._last_wire_end = ended
+            samples.append(CommSample(key, nbytes, ended - begin))
+
+        wire.add_done_callback(record)
+        return wire
 
     async def _finish(self, wire: asyncio.Future[Any] | None, views: list[np.ndarray]) -> None:
         if wire is not None:
@@ -163,3 +222,23 @@ class Pipeline:
             function(*args)
             return
         await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    # --- the start-up probe ----------------------------------------------------------------------
+
+    async def probe(self) -> list[list[float]]:
+        """All-reduce scratch buffers over a range of sizes: samples for the first fit of a, b.
+
+        Costs PROBE_REPEATS × 5.3 MB on the wire: ~40 ms on loopback, ~0.1 s on 1 Gbit/s.
+        Runs before the first iteration, in the same order on every node.
+        """
+        if self.engine is None:
+            return []
+        samples: list[list[float]] = []
+        for repeat in range(PROBE_REPEATS):
+            for index, elements in enumerate(PROBE_ELEMENTS):
+                scratch = np.zeros(elements, dtype=np.float32)
+                begin = time.perf_counter()
+                await self.engine.allreduce(scratch, "float32")
+                if repeat > 0:  # the first round is the warm-up
+                    samples.append([-repeat, index, scratch.nbytes, time.perf_counter() - begin])
+        return samples

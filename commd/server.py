@@ -32,6 +32,7 @@ from commd_protocol import (
     Hello,
     PeerAbort,
     PeerMessage,
+    PeerPlan,
     PeerSetup,
     ProtocolViolation,
     Ready,
@@ -44,11 +45,12 @@ from commd_protocol import (
 )
 from commd_protocol.codec import client_codec, peer_codec
 
-from . import planning, sdnotify
+from . import sdnotify
 from .coordinator import Coordinator
 from .engines import choose_backend
 from .jobs import Job, JobContext, JobError, LocalRank
 from .peers import PeerLinks
+from .planner import get_planner
 from .rendezvous import Rendezvous
 from .settings import Settings
 
@@ -84,9 +86,7 @@ class Daemon:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="commd-memory")
         self.peer_port = 0
         self._links = PeerLinks(self._context, self._on_coordinator_message)
-        self._coordinator = Coordinator(
-            self._send_peer_reply, planning.initial_plan, self._store_port
-        )
+        self._coordinator = Coordinator(self._send_peer_reply, self._store_port)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -308,7 +308,8 @@ class Daemon:
             executor=self._executor,
             send_client=self._send_client,
             send_peer=self._links.send,
-            validate_planner=planning.validate_planner,
+            validate_planner=validate_planner,
+            default_planner=self.settings.planner,
         )
 
     def _advertise(self, coordinator_host: str) -> str:
@@ -351,6 +352,8 @@ class Daemon:
             task = asyncio.get_running_loop().create_task(job.on_setup(message))
             self._tasks.append(task)
             task.add_done_callback(self._forget_task)
+        elif isinstance(message, PeerPlan):
+            job.on_plan(message)
         elif isinstance(message, PeerAbort):
             job.fail(ErrorCode(message.code) if message.code in ErrorCode._value2member_map_
                      else ErrorCode.ENGINE, message.message, tell_coordinator=False)
@@ -375,6 +378,11 @@ class Daemon:
             "jobs": [job.status() for job in self.jobs.values()],
             "coordinating": self._coordinator.status(),
         }
+
+
+def validate_planner(name: str) -> None:
+    """Raise ValueError naming the valid planners when ``name`` is not one."""
+    get_planner(name)
 
 
 def _tag(message: msgspec.Struct) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -34,7 +35,8 @@ def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    out: dict[str, object] = {"rank": spec["rank"], "iterations": []}
+    out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": []}
+    sleeps = spec.get("backward_sleep_s")  # replay a profile: sleep before each layer's ready
     try:
         with Client(
             job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
@@ -54,11 +56,15 @@ def main() -> None:
                         value(spec["rank"], iteration, index, size), spec["dtype"]
                     )
                 for index in reversed(range(len(layers))):
+                    if sleeps:
+                        time.sleep(sleeps[index])
                     client.ready(index)
                 client.wait()
-                out["iterations"].append(  # type: ignore[union-attr]
-                    [to_float(g, spec["dtype"]) for g in grads]
-                )
+                out["plans"].append(client.plan_version)  # type: ignore[union-attr]
+                if not spec.get("skip_results"):
+                    out["iterations"].append(  # type: ignore[union-attr]
+                        [to_float(g, spec["dtype"]) for g in grads]
+                    )
     except CommdError as exc:
         out["error"] = str(exc)
         out["error_type"] = type(exc).__name__

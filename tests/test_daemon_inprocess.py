@@ -210,7 +210,8 @@ async def test_a_job_in_another_language_with_bad_readies(daemon: Daemon, connec
             await client.send({"type": "ready", "layers": [0]})
             await client.send({"type": "wait", "iteration": iteration})
         for local, client in enumerate(ranks):
-            assert await client.receive() == {"type": "done", "iteration": iteration}
+            done = await client.receive()
+            assert done["type"] == "done" and done["iteration"] == iteration, done
             expected = 2 * (np.arange(8) + iteration) + 10
             np.testing.assert_array_equal(buffers[local], expected)
     status = daemon.status()["jobs"][0]  # type: ignore[index]

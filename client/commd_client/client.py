@@ -66,6 +66,7 @@ class Client:
         self.socket = socket if socket is not None else env.socket_path()
         self.timeout = timeout
         self.iteration = 0
+        self.plan_version = 0  # the merge plan the last iteration ran with
         self.groups: list[list[int]] = []
         self.nodes = 0
         self._segment: GradientSegment | None = None
@@ -132,13 +133,14 @@ class Client:
         layers: Sequence[tuple[str, int]],
         dtype: str = "float32",
         op: str = "avg",
-        planner: str = "optimal",
+        planner: str | None = None,
         compression: str = "none",
     ) -> list[np.ndarray]:
         """Register the layers (forward order); block until the job is formed.
 
         Returns one writable 1-D array per layer, all views of one shared buffer laid out in
-        backward order. bfloat16 gradients come as uint16 arrays of raw bits.
+        backward order. bfloat16 gradients come as uint16 arrays of raw bits. ``planner``
+        defaults to $COMMD_PLANNER, else the daemon's default (``optimal``).
         """
         if self._segment is not None:
             raise CommdError("commd: register() was already called on this client")
@@ -162,7 +164,7 @@ class Client:
                 dtype=dtype,
                 op=op,
                 shm_name=self._segment.name,
-                planner=planner,
+                planner=planner if planner is not None else env.planner(),
                 compression=compression,
             )
         )
@@ -212,6 +214,7 @@ class Client:
                 raise self._latch(reply)
             reply = self._connection.receive(budget, f"iteration {self.iteration} to be reduced")
         self.iteration += 1
+        self.plan_version = reply.plan
         self._marked.clear()
 
     def _check_usable(self, call: str) -> None:

@@ -60,3 +60,8 @@ def coordinator() -> str:
 
 def socket_path() -> str:
     return os.environ.get("COMMD_SOCKET", DEFAULT_SOCKET)
+
+
+def planner() -> str:
+    """COMMD_PLANNER, else "" (the daemon's default planner)."""
+    return os.environ.get("COMMD_PLANNER", "")

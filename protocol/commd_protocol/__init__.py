@@ -21,7 +21,15 @@ from .messages import (
     Wait,
     Welcome,
 )
-from .peer import PeerAbort, PeerJoin, PeerLeave, PeerMessage, PeerSetup
+from .peer import (
+    PeerAbort,
+    PeerJoin,
+    PeerLeave,
+    PeerMessage,
+    PeerPlan,
+    PeerProfile,
+    PeerSetup,
+)
 
 __version__ = "0.1.0"
 DEFAULT_PEER_PORT = 29600
@@ -49,6 +57,8 @@ __all__ = [
     "PeerJoin",
     "PeerLeave",
     "PeerMessage",
+    "PeerPlan",
+    "PeerProfile",
     "PeerSetup",
     "ProtocolViolation",
     "Ready",

@@ -44,7 +44,7 @@ class Register(_Msg, tag="register"):
     dtype: str
     op: str
     shm_name: str  # POSIX shared-memory segment holding the flat buffer (backward order)
-    planner: str = "optimal"
+    planner: str = ""  # "" = the daemon's default (optimal unless configured)
     compression: str = "none"
 
 
@@ -82,6 +82,7 @@ class Registered(_Msg, tag="registered"):
 
 class Done(_Msg, tag="done"):
     iteration: int
+    plan: int = 0  # version of the merge plan this iteration ran with
 
 
 class Error(_Msg, tag="error"):

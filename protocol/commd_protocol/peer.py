@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from .messages import Layer, _Msg
 
 
@@ -28,7 +30,6 @@ class PeerSetup(_Msg, tag="peer_setup"):
     node_index: int
     nodes: int
     store_port: int  # TCPStore on the coordinator's host
-    groups: list[list[int]]
     planner: str
 
 
@@ -46,4 +47,34 @@ class PeerLeave(_Msg, tag="peer_leave"):
     job: str
 
 
-PeerMessage = PeerJoin | PeerSetup | PeerAbort | PeerLeave
+
+
+class PeerProfile(_Msg, tag="peer_profile"):
+    """A node's measurements for one report round (round 0: the start-up probe)."""
+
+    job: str
+    round: int
+    iteration: int  # last iteration covered; -1 for the probe
+    # per layer (forward order), seconds after the first layer was ready
+    ready_offsets_s: list[float] = msgspec.field(default_factory=list)
+    # [key_iteration, key_group, bytes, seconds] per collective
+    comm: list[list[float]] = msgspec.field(default_factory=list)
+    measured_comm_s: float = 0.0  # exposed communication per iteration (mean over the round)
+    iteration_s: float = 0.0
+
+
+class PeerPlan(_Msg, tag="peer_plan"):
+    """The coordinator's decision for a round: the plan to use from ``effective_iteration``."""
+
+    job: str
+    round: int
+    effective_iteration: int
+    version: int
+    groups: list[list[int]]
+    alpha_s: float
+    beta_s_per_byte: float
+    predicted_comm_s: float
+    reason: str = ""
+
+
+PeerMessage = PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan

@@ -1,0 +1,195 @@
+"""Helpers of the PyTorch wrapper: where a rank's clients connect, dtypes, device checks, and
+rank 0's values broadcast through a small commd job.
+
+The Client has no broadcast; a job with op="sum" where rank 0 writes its values and every
+other rank zeros is one (x + 0 + … + 0 == x exactly). float64 carries every value exactly:
+all floating dtypes up to 64 bits, bool, and integers up to 2**53.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from commd_protocol import CommdError
+
+from . import env
+from .client import Client
+
+# torch dtype -> commd's gradient dtype name.
+GRAD_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+
+_EXACT_INT_LIMIT = 2**53  # integers beyond this lose precision in float64
+
+GPU_MESSAGE = (
+    "the GPU path is not available yet: commd's DistributedDataParallel supports CPU models "
+    "only for now; keep the model on the CPU or use torch.nn.parallel.DistributedDataParallel"
+)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where this rank's clients connect; every field defaults from torchrun's environment."""
+
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    coordinator: str
+    socket: str
+    timeout: float
+
+    @classmethod
+    def resolve(
+        cls,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        coordinator: str | None = None,
+        socket: str | None = None,
+        timeout: float = 300.0,
+    ) -> Endpoint:
+        return cls(
+            job=job if job is not None else env.job(),
+            rank=rank if rank is not None else env.rank(),
+            world_size=world_size if world_size is not None else env.world_size(),
+            local_rank=local_rank if local_rank is not None else env.local_rank(),
+            local_world_size=(
+                local_world_size if local_world_size is not None else env.local_world_size()
+            ),
+            coordinator=coordinator if coordinator is not None else env.coordinator(),
+            socket=socket if socket is not None else env.socket_path(),
+            timeout=timeout,
+        )
+
+    def open(self, suffix: str = "") -> Client:
+        """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job)."""
+        return Client(
+            job=self.job + suffix,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
+            coordinator=self.coordinator,
+            socket=self.socket,
+            timeout=self.timeout,
+        )
+
+
+def check_cpu(named: Iterable[tuple[str, Any]]) -> None:
+    """CommdError naming the first tensor (anything with ``.device``) not on the CPU."""
+    for name, tensor in named:
+        device = torch.device(tensor.device)
+        if device.type != "cpu":
+            raise CommdError(f"commd: {name!r} is on {device}; {GPU_MESSAGE}")
+
+
+def grad_dtype(name: str, dtype: torch.dtype) -> str:
+    try:
+        return GRAD_DTYPES[dtype]
+    except KeyError:
+        raise CommdError(
+            f"commd: parameter {name!r} has dtype {dtype}; gradients must be one of "
+            f"{', '.join(str(d) for d in GRAD_DTYPES)}"
+        ) from None
+
+
+def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A torch view of a commd buffer slice (bfloat16 buffers hold raw uint16 words)."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
+
+
+def _check_exact(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_complex():
+        raise CommdError(f"commd: cannot broadcast complex tensor {name!r} yet")
+    if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.numel() == 0:
+        return
+    if int(tensor.detach().abs().max()) > _EXACT_INT_LIMIT:
+        raise CommdError(
+            f"commd: integer tensor {name!r} holds values beyond 2**53, which the broadcast "
+            "(float64) cannot carry exactly"
+        )
+
+
+class Broadcaster:
+    """Rank 0's tensors to every rank, through job ``<job><suffix>`` (float64, op sum).
+
+    One layer per tensor, named as in the module: ranks whose modules differ get the
+    coordinator's CommdError naming the first differing tensor.
+    """
+
+    def __init__(
+        self, endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]],
+        planner: str,
+    ) -> None:
+        self.rank = endpoint.rank
+        self.names = [name for name, tensor in named if tensor.numel() > 0]
+        self.client = endpoint.open(suffix)
+        try:
+            sizes = {name: tensor.numel() for name, tensor in named}
+            self.arrays = self.client.register(
+                [(name, sizes[name]) for name in self.names], dtype="float64", op="sum",
+                planner=planner,
+            )
+        except BaseException:
+            self.client.close()
+            raise
+
+    def run(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite every rank's tensors (same names as at construction) with rank 0's."""
+        tensors = dict(named)
+        with torch.no_grad():
+            for name, array in zip(self.names, self.arrays, strict=True):
+                if self.rank == 0:
+                    _check_exact(name, tensors[name])
+                    torch.from_numpy(array).copy_(tensors[name].detach().reshape(-1))
+                else:
+                    array.fill(0.0)
+            self.client.ready(range(len(self.arrays)))
+            self.client.wait()
+            if self.rank != 0:
+                for name, array in zip(self.names, self.arrays, strict=True):
+                    target = tensors[name]
+                    target.copy_(torch.from_numpy(array).view(target.shape))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def broadcast_once(
+    endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]], planner: str
+) -> None:
+    """Overwrite ``named`` with rank 0's values through a short-lived job."""
+    if not any(tensor.numel() for _, tensor in named):
+        return
+    broadcaster = Broadcaster(endpoint, suffix, named, planner)
+    try:
+        broadcaster.run(named)
+    finally:
+        broadcaster.close()
+
+
+def broadcast_order(endpoint: Endpoint, order: Sequence[int], planner: str) -> list[int]:
+    """Rank 0's list of parameter indices, to every rank."""
+    values = torch.tensor([float(i) for i in order], dtype=torch.float64)
+    broadcast_once(endpoint, ".order", [("order", values)], planner)
+    result = [int(v) for v in values.tolist()]
+    if sorted(result) != sorted(order):
+        raise CommdError(
+            "commd: rank 0's gradient order does not name the same parameters as this rank's; "
+            "is every rank running the same model?"
+        )
+    return result

@@ -1,0 +1,126 @@
+"""Runtime profiling: timings in, the planner's inputs out (alpha, beta, backward times).
+
+Pure functions plus one small accumulator per job and node; nothing here does I/O.
+Backward times come from the moments each layer became ready on the node (the daemon stamps
+ready notifications as they arrive — same node, well under a millisecond late). a and b come
+from the job's own collectives, fitted by least squares, plus a probe over a range of sizes
+when the job starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .planner import LinearCost
+
+# The start-up probe: float32 element counts (1 KiB … 4 MiB), each run PROBE_REPEATS times;
+# the first round is a warm-up that also absorbs the nodes' arrival skew.
+PROBE_ELEMENTS = (256, 4096, 65536, 262144, 1048576)
+PROBE_REPEATS = 4
+REPORT_EVERY = 10  # iterations per report round: each node sends its profile, the
+DECISION_LAG = 2  # coordinator answers with the plan for iteration last + 1 + DECISION_LAG
+
+
+@dataclass(frozen=True)
+class CommSample:
+    """One collective: the wire time from when it could start to when it finished."""
+
+    key: tuple[int, int]  # (iteration, group) — the same collective on every node
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    ready_offsets_s: np.ndarray  # per layer, after the first layer became ready
+    comm: list[CommSample]
+    exposed_comm_s: float  # end of the last collective minus the last layer's ready time
+    iteration_s: float
+
+
+def fit_cost(samples: Sequence[tuple[int, float]]) -> LinearCost | None:
+    """Least-squares a + b·M over (bytes, seconds), both kept ≥ 0; None if underdetermined.
+
+    Each size is first reduced to its median, so that many samples of one size do not
+    drown the others and outliers (a scheduler hiccup) are damped.
+    """
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in samples:
+        by_size.setdefault(int(nbytes), []).append(float(seconds))
+    if len(by_size) < 2:
+        return None
+    sizes = np.array(sorted(by_size), dtype=np.float64)
+    times = np.array([np.median(by_size[int(s)]) for s in sizes])
+    design = np.stack([np.ones_like(sizes), sizes], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, times, rcond=None)
+    if beta < 0:  # noise on a flat curve: all latency
+        return LinearCost(alpha_s=float(np.median(times)), beta_s_per_byte=0.0)
+    if alpha < 0:  # noise near the origin: a line through zero
+        beta = float(np.dot(sizes, times) / np.dot(sizes, sizes))
+        return LinearCost(alpha_s=0.0, beta_s_per_byte=beta)
+    return LinearCost(alpha_s=float(alpha), beta_s_per_byte=float(beta))
+
+
+def backward_from_offsets(offsets: np.ndarray) -> list[float]:
+    """Per-layer backward times (forward order) from ready offsets, the last layer first.
+
+    ready(l) = Σ backward[l..L-1]; offsets are made monotone first (a median per layer can
+    be out of order by noise).
+    """
+    in_backward_order = np.maximum.accumulate(np.asarray(offsets, dtype=np.float64)[::-1])
+    durations = np.diff(in_backward_order, prepend=0.0)
+    return [float(x) for x in durations[::-1]]
+
+
+def combine_comm(reports: Sequence[Sequence[Sequence[float]]]) -> list[tuple[int, float]]:
+    """One (bytes, seconds) per collective over all nodes: the shortest of its measurements.
+
+    A node that reached a collective early also measured its wait for the others; the node
+    that arrived last measured the wire alone.
+    """
+    best: dict[tuple[int, int], tuple[int, float]] = {}
+    for report in reports:
+        for iteration, group, nbytes, seconds in report:
+            key = (int(iteration), int(group))
+            if key not in best or seconds < best[key][1]:
+                best[key] = (int(nbytes), float(seconds))
+    return list(best.values())
+
+
+def relative_change(old: float, new: float) -> float:
+    scale = max(abs(old), abs(new))
+    return 0.0 if scale == 0 else abs(new - old) / scale
+
+
+def profile_drift(old: Sequence[float], new: Sequence[float]) -> float:
+    """How much a backward profile moved: Σ|Δ| over Σ, 0 when both are empty."""
+    total = max(float(np.sum(old)), float(np.sum(new)))
+    if total == 0:
+        return 0.0
+    return float(np.sum(np.abs(np.asarray(new) - np.asarray(old)))) / total
+
+
+@dataclass
+class NodeProfiler:
+    """Accumulates one node's iteration records between two reports."""
+
+    layers: int
+    records: list[IterationRecord] = field(default_factory=list)
+
+    def add(self, record: IterationRecord) -> None:
+        self.records.append(record)
+
+    def summary(self) -> tuple[list[float], list[list[float]], float, float]:
+        """(median ready offsets, comm samples, mean exposed comm, mean iteration time)."""
+        if not self.records:
+            return [], [], 0.0, 0.0
+        offsets = np.median(np.stack([r.ready_offsets_s for r in self.records]), axis=0)
+        comm = [[s.key[0], s.key[1], s.nbytes, s.seconds] for r in self.records for s in r.comm]
+        exposed = float(np.mean([r.exposed_comm_s for r in self.records]))
+        iteration = float(np.mean([r.iteration_s for r in self.records]))
+        self.records = []
+        return [float(x) for x in offsets], comm, exposed, iteration
