@@ -6,7 +6,6 @@ It re-plans when a, b or the backward profile drift beyond ``DRIFT`` since the l
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +24,6 @@ from .profiler import (
 )
 
 DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a re-plan
-WINDOW = 512  # collectives kept for the fit
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement
 
 
@@ -47,18 +45,12 @@ class Replanner:
     groups: list[list[int]] = field(default_factory=list)
     cost: LinearCost | None = None
     backward_s: list[float] = field(default_factory=list)
-    _probe: list[tuple[int, float]] = field(default_factory=list)
-    _live: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
         """The plan for the round all ``reports`` (one per node) belong to."""
         round_number = reports[0].round
         samples = combine_comm([r.comm for r in reports])
-        if round_number == 0:
-            self._probe = samples
-        else:
-            self._live.extend(samples)
-        cost = self._fit() or self.cost or FALLBACK_COST
+        cost = self._fit(samples) or self.cost or FALLBACK_COST
         backward = self._backward(reports)
         reason = self._why_replan(cost, backward)
         if reason:
@@ -74,13 +66,19 @@ class Replanner:
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, reason or "no drift")
 
-    def _fit(self) -> LinearCost | None:
-        live = list(self._live)
-        # The job's own collectives alone fit a line only if they span several sizes;
-        # otherwise the probe supplies the shape.
-        if len({n for n, _ in live}) >= 2:
-            return fit_cost(live)
-        return fit_cost([*self._probe, *live])
+    def _fit(self, samples: list[tuple[int, float]]) -> LinearCost | None:
+        """a, b from this round's collectives alone, so a change of network shows at once."""
+        sizes = {n for n, _ in samples}
+        if len(sizes) >= 2:
+            return fit_cost(samples)
+        if len(sizes) == 1 and self.cost is not None:
+            # One size (e.g. a single group) cannot separate a from b: keep the known
+            # start-up cost and put the change on the bandwidth term.
+            (nbytes,) = sizes
+            seconds = float(np.median([s for _, s in samples]))
+            beta = max(0.0, (seconds - self.cost.alpha_s) / max(nbytes, 1))
+            return LinearCost(alpha_s=self.cost.alpha_s, beta_s_per_byte=beta)
+        return None
 
     def _backward(self, reports: Sequence[PeerProfile]) -> list[float]:
         offsets = [r.ready_offsets_s for r in reports if r.ready_offsets_s]

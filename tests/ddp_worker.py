@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("small_cnn", "branchy", "bn")
+MODELS = ("small_cnn", "mlp", "branchy", "bn")
 
 
 class Branchy(nn.Module):
@@ -53,6 +53,8 @@ def build_model(kind: str, seed: int) -> nn.Module:
         from commd.models import small_cnn
 
         return small_cnn()
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     if kind == "branchy":
         return Branchy()
     if kind == "bn":
@@ -63,7 +65,7 @@ def build_model(kind: str, seed: int) -> nn.Module:
 def batch(kind: str, rank: int, step: int, micro: int, size: int) -> tuple[torch.Tensor, ...]:
     """This rank's own data: (input, target), seeded by rank, step and micro-batch."""
     gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro + 7)
-    shape = {"small_cnn": (3, 32, 32), "branchy": (6,), "bn": (3, 8, 8)}[kind]
+    shape = {"small_cnn": (3, 32, 32), "mlp": (6,), "branchy": (6,), "bn": (3, 8, 8)}[kind]
     classes = 10 if kind == "small_cnn" else 3
     x = torch.randn(size, *shape, generator=gen)
     return x, torch.randint(0, classes, (size,), generator=gen)

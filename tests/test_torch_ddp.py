@@ -1,0 +1,188 @@
+"""commd_client.torch.DistributedDataParallel end to end: real daemons, ranks as processes.
+
+The reference is single-process full-batch training on the union of every rank's data:
+averaging the gradients of equal-size batches equals the gradient of the mean loss over the
+union, which is what torch DDP computes too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from commd_client import CommdError
+from commd_client._torch_common import check_cpu
+from commd_client.torch import DistributedDataParallel
+from ddp_worker import batch, build_model, loss_of
+
+WORKER = str(Path(__file__).with_name("ddp_worker.py"))
+EXAMPLE = str(Path(__file__).parents[1] / "examples" / "train.py")
+
+
+def run_ranks(
+    tmp_path: Path, nodes: list[Any], ranks_per_node: int, job: str, model: str, *,
+    steps: int = 3, accumulate: int = 1, batch_size: int = 4, lr: float = 0.1,
+    same_init: bool = False, timeout: float = 60.0,
+) -> list[dict[str, Any]]:
+    world = len(nodes) * ranks_per_node
+    processes, outputs = [], []
+    for rank in range(world):
+        out = tmp_path / f"{job}-rank{rank}.pt"
+        spec = {
+            "job": job, "rank": rank, "world_size": world,
+            "local_rank": rank % ranks_per_node, "local_world_size": ranks_per_node,
+            "coordinator": nodes[0].address, "socket": nodes[rank // ranks_per_node].socket,
+            "timeout": timeout, "model": model, "steps": steps, "accumulate": accumulate,
+            "batch": batch_size, "lr": lr, "init_seed": 0 if same_init else 100 + rank,
+            "out": str(out),
+        }
+        outputs.append(out)
+        processes.append(subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    try:
+        errors = [process.communicate(timeout=timeout + 30)[1] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    results = []
+    for rank, (process, out) in enumerate(zip(processes, outputs, strict=True)):
+        assert process.returncode == 0 and out.exists(), f"rank {rank}: {errors[rank]}"
+        result = torch.load(out)
+        assert "error" not in result, result.get("traceback")
+        results.append(result)
+    return results
+
+
+def reference(model: str, world: int, *, steps: int = 3, accumulate: int = 1,
+              batch_size: int = 4, lr: float = 0.1) -> dict[str, torch.Tensor]:
+    """Full-batch training from rank 0's initial weights (seed 100) on every rank's data."""
+    net = build_model(model, 100)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    for step in range(steps):
+        optimizer.zero_grad()
+        total = sum(
+            loss_of(net, model, rank, *batch(model, rank, step, micro, batch_size))
+            for rank in range(world) for micro in range(accumulate)
+        )
+        (total / world).backward()
+        optimizer.step()
+    return {f"module.{k}": v for k, v in net.state_dict().items()}
+
+
+def assert_identical(results: list[dict[str, Any]]) -> None:
+    first = results[0]["state"]
+    for result in results[1:]:
+        assert first.keys() == result["state"].keys()
+        for key, value in first.items():
+            assert torch.equal(value, result["state"][key]), f"rank {result['rank']}: {key}"
+
+
+def assert_matches(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.timeout(90)
+def test_matches_full_batch_training_and_ranks_are_identical(start_daemon, tmp_path) -> None:
+    """2 daemons x 2 ranks, different data and different initial weights per rank."""
+    nodes = [start_daemon(), start_daemon()]
+    results = run_ranks(tmp_path, nodes, 2, "ddp-equiv", "small_cnn", steps=4, lr=0.05)
+    assert_identical(results)
+    assert_matches(results[0]["state"], reference("small_cnn", 4, steps=4, lr=0.05))
+    for result in results:  # construction broadcast rank 0's weights (seed 100)
+        for key, value in build_model("small_cnn", 100).state_dict().items():
+            assert torch.equal(result["initial"][key], value), key
+
+
+@pytest.mark.timeout(60)
+def test_different_initial_weights_and_buffers_end_equal(start_daemon, tmp_path) -> None:
+    """BatchNorm's running statistics are broadcast from rank 0 before each forward."""
+    nodes = [start_daemon(), start_daemon()]
+    results = run_ranks(tmp_path, nodes, 1, "ddp-bn", "bn", steps=3)
+    assert_identical(results)
+    assert any(k.endswith("running_mean") for k in results[0]["state"])
+    assert not torch.equal(
+        results[0]["state"]["module.conv.weight"], build_model("bn", 100).conv.weight
+    )
+
+
+@pytest.mark.timeout(60)
+def test_no_sync_accumulation_matches_ddp(start_daemon, tmp_path) -> None:
+    """Two micro-batches under no_sync, the third synchronises the sum of all three."""
+    nodes = [start_daemon(), start_daemon()]
+    results = run_ranks(tmp_path, nodes, 1, "ddp-nosync", "mlp", steps=3, accumulate=3)
+    assert_identical(results)
+    assert_matches(results[0]["state"], reference("mlp", 2, steps=3, accumulate=3))
+
+
+@pytest.mark.timeout(60)
+def test_unused_parameters_do_not_hang(start_daemon, tmp_path) -> None:
+    """``extra`` is used on rank 0 only, ``never`` on no rank: its .grad stays None."""
+    nodes = [start_daemon(), start_daemon()]
+    results = run_ranks(tmp_path, nodes, 1, "ddp-unused", "branchy", steps=3)
+    assert_identical(results)
+    assert_matches(results[0]["state"], reference("branchy", 2, steps=3))
+    for result in results:
+        assert result["grad_none"] == ["never.weight", "never.bias"]
+
+
+@pytest.mark.timeout(60)
+def test_train_example_under_torchrun_environment(start_daemon) -> None:
+    """examples/train.py configured only through the environment torchrun sets."""
+    node = start_daemon()
+    processes = []
+    for rank in range(2):
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "COMMD_JOB": "ddp-example",
+            "COMMD_SOCKET": node.socket, "COMMD_COORDINATOR": node.address,
+        }
+        processes.append(subprocess.Popen(
+            [sys.executable, EXAMPLE, "--steps", "3", "--batch-size", "4"], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    try:
+        outputs = [process.communicate(timeout=50)[0] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    done = []
+    for process, output in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, output
+        assert "step 3/3 loss" in output, output
+        done.append(next(line for line in output.splitlines() if " done: 3 steps" in line))
+    checksums = {line.rsplit("params checksum ", 1)[1] for line in done}
+    assert len(checksums) == 1, done
+
+
+class _FakeTensor:
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+@pytest.mark.timeout(10)
+def test_gpu_models_get_a_clear_error() -> None:
+    with pytest.raises(CommdError, match="the GPU path is not available yet"):
+        check_cpu([("fc.weight", _FakeTensor("cpu")), ("fc.bias", _FakeTensor("cuda:0"))])
+    with pytest.raises(CommdError, match=r"'weight' is on meta; the GPU path"):
+        DistributedDataParallel(nn.Linear(2, 2, device="meta"), world_size=1)
+    with pytest.raises(CommdError, match="device_ids"):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=[0], world_size=1)
+    if torch.cuda.is_available():
+        with pytest.raises(CommdError, match="'weight' is on cuda:0; the GPU path"):
+            DistributedDataParallel(nn.Linear(2, 2).cuda(), world_size=1)
