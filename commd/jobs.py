@@ -328,12 +328,14 @@ class Job:
         self.recent_iterations_s = [*self.recent_iterations_s[-99:], record.iteration_s]
         if (record.iteration + 1) % REPORT_EVERY:
             return
-        offsets, comm, exposed, iteration_s = self.profiler.summary()
+        summary = self.profiler.summary()
+        self.gain = summary.gain
         self.pipeline.expect_decision(record.iteration + 1 + DECISION_LAG)
         self.ctx.send_peer(self.coordinator, PeerProfile(
             job=self.id, round=(record.iteration + 1) // REPORT_EVERY,
-            iteration=record.iteration, ready_offsets_s=offsets, comm=comm,
-            measured_comm_s=exposed, iteration_s=iteration_s,
+            iteration=record.iteration, ready_offsets_s=summary.ready_offsets_s,
+            comm=summary.comm, measured_comm_s=summary.exposed_comm_s,
+            iteration_s=summary.iteration_s, gain=summary.gain, ratio=summary.ratio,
         ))
 
     # --- iterations ------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import numpy as np
 from commd_client.layout import backward_offsets, group_span
 
 from .engines import Engine, host_ops
+from .compression.exchange import GroupExchange
+from .compression.topk import topk_count
 from .profiler import PROBE_ELEMENTS, PROBE_REPEATS, CommSample, IterationRecord
 
 # Below this many bytes a memory op is cheaper inline than a hop to a worker thread.
@@ -35,12 +37,18 @@ class Plan:
     version: int
     groups: list[list[int]]
     spans: list[tuple[int, int]]  # element range of each group in the flat buffer
+    exchanges: list[str]  # per group: "dense", or a top-k exchange ("allgather", "allreduce")
+    ratio: float  # top-k ratio of the compressed groups
 
 
-def make_plan(version: int, groups: Sequence[Sequence[int]], sizes: Sequence[int]) -> Plan:
+def make_plan(version: int, groups: Sequence[Sequence[int]], sizes: Sequence[int],
+              exchanges: Sequence[str] = (), ratio: float = 0.0) -> Plan:
     offsets = backward_offsets(sizes)
     lists = [sorted(g) for g in groups]
-    return Plan(version, lists, [group_span(g, sizes, offsets) for g in lists])
+    kinds = list(exchanges) or ["dense"] * len(lists)
+    if len(kinds) != len(lists):
+        raise ValueError(f"{len(kinds)} exchanges for {len(lists)} groups")
+    return Plan(version, lists, [group_span(g, sizes, offsets) for g in lists], kinds, ratio)
 
 
 class Pipeline:
@@ -59,6 +67,9 @@ class Pipeline:
         on_complete: Callable[[int, int], None],
         on_record: Callable[[IterationRecord], None],
         on_failure: Callable[[BaseException], None],
+        node_index: int = 0,
+        nodes: int = 1,
+        compressed: bool = False,
     ) -> None:
         self.sizes = list(sizes)
         self.buffers = list(buffers)  # one flat array per local rank, local-rank order
@@ -82,6 +93,10 @@ class Pipeline:
         self.plan_history: list[dict[str, int]] = []
         self._task: asyncio.Task[None] | None = None
         self._last_wire_end = 0.0
+        self._exchange = GroupExchange(engine, executor, node_index, nodes, dtype)
+        # Error-feedback residuals of the node's sums, zero at the start; only when compressing.
+        self.residual = np.zeros_like(self.buffers[0]) if compressed else None
+        self.gains: list[float] = []  # compression gain of each compressed group, this iteration
 
     # --- plans (from the control plane) ----------------------------------------------------------
 
@@ -160,12 +175,19 @@ class Pipeline:
             while self._count[group[0] : group[-1] + 1].min() < len(self.buffers):
                 self._changed.clear()
                 await self._changed.wait()
-            finishing.append(await self._launch(plan, index, samples))
+            if plan.exchanges[index] == "dense":
+                finishing.append(await self._launch(plan, index, samples))
+            else:
+                finishing.append(await self._compressed(plan, index, samples))
         await asyncio.gather(*finishing)
         finished = time.perf_counter()
         ready_at = self._ready_at.copy()
         start = float(ready_at.min())
+        gain = float(np.mean(self.gains)) if self.gains else 1.0
+        self.gains = []
         record = IterationRecord(
+            gain=gain,
+            ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
             iteration=self.iteration,
             ready_offsets_s=ready_at - start,
             comm=samples,
@@ -192,6 +214,32 @@ class Pipeline:
             wire = self._timed(self.engine.allreduce(views[0], self.dtype),
                                (self.iteration, index), views[0].nbytes, samples)
         return asyncio.ensure_future(self._finish(wire, views))
+
+    async def _compressed(
+        self, plan: Plan, index: int, samples: list[CommSample]
+    ) -> asyncio.Future[Any]:
+        """A top-k group: its collectives finish before the next group's are issued, so that
+        every node issues the same collectives in the same order."""
+        assert self.residual is not None
+        start, stop = plan.spans[index]
+        views = [buffer[start:stop] for buffer in self.buffers]
+        if len(views) > 1:
+            await self._memory(host_ops.sum_into, views[0], views[1:], self.dtype)
+        k = topk_count(stop - start, plan.ratio)
+        residual = self.residual[start:stop]
+        began = time.perf_counter()
+        if plan.exchanges[index] == "allreduce":
+            leader = self.iteration % self._exchange.nodes
+            gain = await self._exchange.allreduce(views[0], residual, k, leader)
+        else:
+            gain = await self._exchange.allgather(views[0], residual, k)
+        self.gains.append(gain)
+        self._last_wire_end = time.perf_counter()
+        if self.engine is not None and plan.exchanges[index] == "allreduce":
+            # Its all-reduce of k values is an all-reduce sample like any other (upper bound).
+            samples.append(CommSample((self.iteration, index), 4 * k,
+                                      self._last_wire_end - began))
+        return asyncio.ensure_future(self._finish(None, views))
 
     def _timed(self, wire: asyncio.Future[Any], key: tuple[int, int], nbytes: int,
                samples: list[CommSample]) -> asyncio.Future[Any]:

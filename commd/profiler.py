@@ -40,6 +40,8 @@ class IterationRecord:
     comm: list[CommSample]
     exposed_comm_s: float  # end of the last collective minus the last layer's ready time
     iteration_s: float
+    gain: float = 1.0  # compression gain ‖sent‖²/‖E‖² (1: dense)
+    ratio: float = 1.0  # top-k ratio used (1: dense)
 
 
 def fit_cost(samples: Sequence[tuple[int, float]]) -> LinearCost | None:
@@ -104,6 +106,16 @@ def profile_drift(old: Sequence[float], new: Sequence[float]) -> float:
     return float(np.sum(np.abs(np.asarray(new) - np.asarray(old)))) / total
 
 
+@dataclass(frozen=True)
+class RoundSummary:
+    ready_offsets_s: list[float]
+    comm: list[list[float]]
+    exposed_comm_s: float
+    iteration_s: float
+    gain: float
+    ratio: float
+
+
 @dataclass
 class NodeProfiler:
     """Accumulates one node's iteration records between two reports."""
@@ -114,13 +126,17 @@ class NodeProfiler:
     def add(self, record: IterationRecord) -> None:
         self.records.append(record)
 
-    def summary(self) -> tuple[list[float], list[list[float]], float, float]:
-        """(median ready offsets, comm samples, mean exposed comm, mean iteration time)."""
-        if not self.records:
-            return [], [], 0.0, 0.0
-        offsets = np.median(np.stack([r.ready_offsets_s for r in self.records]), axis=0)
-        comm = [[s.key[0], s.key[1], s.nbytes, s.seconds] for r in self.records for s in r.comm]
-        exposed = float(np.mean([r.exposed_comm_s for r in self.records]))
-        iteration = float(np.mean([r.iteration_s for r in self.records]))
-        self.records = []
-        return [float(x) for x in offsets], comm, exposed, iteration
+    def summary(self) -> RoundSummary:
+        """Medians and means over the records since the last summary, which it consumes."""
+        records, self.records = self.records, []
+        if not records:
+            return RoundSummary([], [], 0.0, 0.0, 1.0, 1.0)
+        offsets = np.median(np.stack([r.ready_offsets_s for r in records]), axis=0)
+        return RoundSummary(
+            ready_offsets_s=[float(x) for x in offsets],
+            comm=[[s.key[0], s.key[1], s.nbytes, s.seconds] for r in records for s in r.comm],
+            exposed_comm_s=float(np.mean([r.exposed_comm_s for r in records])),
+            iteration_s=float(np.mean([r.iteration_s for r in records])),
+            gain=float(np.mean([r.gain for r in records])),
+            ratio=records[-1].ratio,
+        )

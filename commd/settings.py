@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -75,7 +76,9 @@ def split_host_port(value: str, what: str) -> tuple[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option; unset flags stay None so lower layers show through."""
-    parser.add_argument("--config", metavar="FILE", help="TOML file with the options below")
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file with the options below (env COMMD_CONFIG)"
+    )
     for option in OPTIONS:
         parser.add_argument(
             "--" + option.name.replace("_", "-"),
@@ -124,6 +127,12 @@ def _from_file(path: str) -> dict[str, Any]:
             raise SettingsError(
                 f"commd: unknown key {key!r} in {path}; known keys: {', '.join(known)}"
             )
+        if option.type is str and not isinstance(raw, str) or option.type is float and (
+            isinstance(raw, bool) or not isinstance(raw, int | float)
+        ):
+            raise SettingsError(
+                f"commd: {key} in {path} must be a {option.type.__name__}, got {raw!r}"
+            )
         values[option.name] = _convert(option, raw, f"{key} in {path}")
     return values
 
@@ -142,8 +151,14 @@ def _convert(option: Option, raw: Any, where: str) -> Any:
 
 def _validate(settings: Settings) -> None:
     split_host_port(settings.listen, "listen")
-    if settings.timeout_s <= 0:
-        raise SettingsError("commd: timeout_s must be positive")
+    if not math.isfinite(settings.timeout_s) or settings.timeout_s <= 0:
+        raise SettingsError(f"commd: timeout_s must be positive, got {settings.timeout_s}")
+    from .planner import get_planner  # pure and light; validates the planner name
+
+    try:
+        get_planner(settings.planner)
+    except ValueError as exc:
+        raise SettingsError(f"commd: planner: {exc}") from None
     if settings.backend not in BACKENDS:
         raise SettingsError(f"commd: backend must be one of {', '.join(BACKENDS)}")
 

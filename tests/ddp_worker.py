@@ -76,8 +76,22 @@ def loss_of(model: nn.Module, kind: str, rank: int, x: torch.Tensor, y: torch.Te
     return F.cross_entropy(model(x, **kwargs), y)
 
 
+def sgd_step(params: list[torch.Tensor], lr: float) -> None:
+    """Plain SGD, as torch.optim.SGD does it, then ``.grad = None`` as zero_grad() does.
+
+    (torch.optim costs ~1.5 s of imports per process, too much for a quick test.)
+    """
+    with torch.no_grad():
+        for param in params:  # torch.optim.SGD skips parameters whose .grad is None
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-lr)
+                param.grad = None
+
+
 def main() -> None:
     from commd_client.torch import DistributedDataParallel
+
+    torch.set_num_threads(1)  # several ranks share two cores
 
     spec = json.loads(sys.argv[1])
     rank, kind = spec["rank"], spec["model"]
@@ -90,10 +104,8 @@ def main() -> None:
             coordinator=spec["coordinator"], socket=spec["socket"], timeout=spec["timeout"],
         ) as ddp:
             out["initial"] = {k: v.clone() for k, v in ddp.module.state_dict().items()}
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=spec["lr"])
             accumulate = spec.get("accumulate", 1)
             for step in range(spec["steps"]):
-                optimizer.zero_grad()
                 for micro in range(accumulate):
                     x, y = batch(kind, rank, step, micro, spec["batch"])
                     if micro < accumulate - 1:
@@ -101,8 +113,14 @@ def main() -> None:
                             loss_of(ddp, kind, rank, x, y).backward()
                     else:
                         loss_of(ddp, kind, rank, x, y).backward()
-                optimizer.step()
-            out["grad_none"] = [n for n, p in ddp.module.named_parameters() if p.grad is None]
+                out["grad_none"] = [
+                    n for n, p in ddp.module.named_parameters() if p.grad is None
+                ]
+                sgd_step(list(ddp.parameters()), spec["lr"])
+            # A validation forward: takes rank 0's buffers first, as the training forwards did.
+            ddp.eval()
+            with torch.no_grad():
+                ddp(batch(kind, rank, 0, 0, spec["batch"])[0])
             out["state"] = {k: v.clone() for k, v in ddp.state_dict().items()}
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"

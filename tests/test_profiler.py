@@ -63,10 +63,11 @@ def test_node_profiler_summarises_with_medians() -> None:
         profiler.add(IterationRecord(
             iteration=0, ready_offsets_s=np.array([offset, 0.0]),
             comm=[CommSample((0, 0), 64, 0.5e-3)], exposed_comm_s=1e-3, iteration_s=0.01))
-    offsets, comm, exposed, iteration = profiler.summary()
-    assert offsets == [0.002, 0.0]
-    assert len(comm) == 3 and exposed == pytest.approx(1e-3) and iteration == pytest.approx(0.01)
-    assert profiler.summary() == ([], [], 0.0, 0.0)  # the window was consumed
+    summary = profiler.summary()
+    assert summary.ready_offsets_s == [0.002, 0.0]
+    assert len(summary.comm) == 3 and summary.exposed_comm_s == pytest.approx(1e-3)
+    assert summary.iteration_s == pytest.approx(0.01) and summary.gain == 1.0
+    assert profiler.summary().comm == []  # the window was consumed
 
 
 def _report(round_: int, iteration: int, offsets: list[float], cost: LinearCost,

@@ -54,7 +54,9 @@ def test_status_reports_model_and_prediction(start_daemon) -> None:
             [sys.executable, "-m", "commd.cli", "status", "--socket", nodes[0].socket, "--json"],
             capture_output=True, text=True, timeout=30, check=True).stdout)
         (job,) = status["jobs"]
-        assert job["alpha_s"] > 0 and job["beta_s_per_byte"] > 0, job  # fitted by the probe
+        # Fitted by the probe (a noisy machine may pin one term at 0, never both).
+        assert job["alpha_s"] >= 0 and job["beta_s_per_byte"] >= 0, job
+        assert job["alpha_s"] + job["beta_s_per_byte"] * (1 << 20) > 0, job
         assert job["predicted_comm_s"] is not None and job["plan_version"] >= 1
         assert job["plan_history"][0]["iteration"] == 0
     finally:

@@ -22,7 +22,7 @@ LAYERS: list[dict[str, Any]] = [  # forward order; a few big layers at the top, 
     {"name": "fc1", "bytes": 30_000_000, "backward_s": 0.002},
     {"name": "fc2", "bytes": 4_000_000, "backward_s": 0.001},
 ]
-REQUIRED_PLANNERS = {"wfbp", "syncea", "mgwfbp", "optimal", "fixed:25MB"}
+REQUIRED_PLANNERS = {"wfbp", "syncea", "mgwfbp", "optimal", "fixed-25MB"}
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
 """commd_client.torch.DistributedDataParallel end to end: real daemons, ranks as processes.
 
+Two daemons serve every test of this file (jobs are isolated by id): starting and stopping
+a daemon costs seconds on two cores, and the whole file must stay well under 90 s.
+
 The reference is single-process full-batch training on the union of every rank's data:
 averaging the gradients of equal-size batches equals the gradient of the mean loss over the
 union, which is what torch DDP computes too.
@@ -11,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +22,28 @@ import pytest
 import torch
 from torch import nn
 
+from commd.launch import LocalDaemon
 from commd_client import CommdError
 from commd_client._torch_common import check_cpu
 from commd_client.torch import DistributedDataParallel
-from ddp_worker import batch, build_model, loss_of
+from ddp_worker import batch, build_model, loss_of, sgd_step
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "train.py")
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon]]:
+    """Two real `commd run` daemons on 127.0.0.1, stopped after the last test."""
+    workdir = tmp_path_factory.mktemp("ddp-daemons")
+    started: list[LocalDaemon] = []
+    try:
+        for name in ("d0", "d1"):
+            started.append(LocalDaemon(workdir, name))
+        yield started
+    finally:
+        for daemon in started:
+            daemon.stop()
 
 
 def run_ranks(
@@ -69,15 +88,13 @@ def reference(model: str, world: int, *, steps: int = 3, accumulate: int = 1,
               batch_size: int = 4, lr: float = 0.1) -> dict[str, torch.Tensor]:
     """Full-batch training from rank 0's initial weights (seed 100) on every rank's data."""
     net = build_model(model, 100)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     for step in range(steps):
-        optimizer.zero_grad()
         total = sum(
             loss_of(net, model, rank, *batch(model, rank, step, micro, batch_size))
             for rank in range(world) for micro in range(accumulate)
         )
         (total / world).backward()
-        optimizer.step()
+        sgd_step(list(net.parameters()), lr)
     return {f"module.{k}": v for k, v in net.state_dict().items()}
 
 
@@ -96,9 +113,8 @@ def assert_matches(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 
 
 @pytest.mark.timeout(90)
-def test_matches_full_batch_training_and_ranks_are_identical(start_daemon, tmp_path) -> None:
+def test_matches_full_batch_training_and_ranks_are_identical(nodes, tmp_path) -> None:
     """2 daemons x 2 ranks, different data and different initial weights per rank."""
-    nodes = [start_daemon(), start_daemon()]
     results = run_ranks(tmp_path, nodes, 2, "ddp-equiv", "small_cnn", steps=4, lr=0.05)
     assert_identical(results)
     assert_matches(results[0]["state"], reference("small_cnn", 4, steps=4, lr=0.05))
@@ -108,9 +124,8 @@ def test_matches_full_batch_training_and_ranks_are_identical(start_daemon, tmp_p
 
 
 @pytest.mark.timeout(60)
-def test_different_initial_weights_and_buffers_end_equal(start_daemon, tmp_path) -> None:
+def test_different_initial_weights_and_buffers_end_equal(nodes, tmp_path) -> None:
     """BatchNorm's running statistics are broadcast from rank 0 before each forward."""
-    nodes = [start_daemon(), start_daemon()]
     results = run_ranks(tmp_path, nodes, 1, "ddp-bn", "bn", steps=3)
     assert_identical(results)
     assert any(k.endswith("running_mean") for k in results[0]["state"])
@@ -120,18 +135,16 @@ def test_different_initial_weights_and_buffers_end_equal(start_daemon, tmp_path)
 
 
 @pytest.mark.timeout(60)
-def test_no_sync_accumulation_matches_ddp(start_daemon, tmp_path) -> None:
+def test_no_sync_accumulation_matches_ddp(nodes, tmp_path) -> None:
     """Two micro-batches under no_sync, the third synchronises the sum of all three."""
-    nodes = [start_daemon(), start_daemon()]
     results = run_ranks(tmp_path, nodes, 1, "ddp-nosync", "mlp", steps=3, accumulate=3)
     assert_identical(results)
     assert_matches(results[0]["state"], reference("mlp", 2, steps=3, accumulate=3))
 
 
 @pytest.mark.timeout(60)
-def test_unused_parameters_do_not_hang(start_daemon, tmp_path) -> None:
+def test_unused_parameters_do_not_hang(nodes, tmp_path) -> None:
     """``extra`` is used on rank 0 only, ``never`` on no rank: its .grad stays None."""
-    nodes = [start_daemon(), start_daemon()]
     results = run_ranks(tmp_path, nodes, 1, "ddp-unused", "branchy", steps=3)
     assert_identical(results)
     assert_matches(results[0]["state"], reference("branchy", 2, steps=3))
@@ -140,9 +153,9 @@ def test_unused_parameters_do_not_hang(start_daemon, tmp_path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_train_example_under_torchrun_environment(start_daemon) -> None:
+def test_train_example_under_torchrun_environment(nodes) -> None:
     """examples/train.py configured only through the environment torchrun sets."""
-    node = start_daemon()
+    node = nodes[0]
     processes = []
     for rank in range(2):
         env = {

@@ -73,6 +73,7 @@ class Client:
         self._sizes: list[int] = []
         self._marked: set[int] = set()
         self._failure: CommdError | None = None
+        self._closed = False
         self._connection = Connection(self.socket)
         try:
             self._hello()
@@ -105,9 +106,10 @@ class Client:
         self.backend = reply.backend
 
     def close(self) -> None:
-        """Say goodbye, close the socket and unlink the shared buffer."""
-        if self._connection is None:
+        """Say goodbye, close the socket and unlink the shared buffer (idempotent)."""
+        if self._closed:
             return
+        self._closed = True
         try:
             self._connection.send(Goodbye())
         finally:

@@ -29,7 +29,6 @@ class Connection:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)  # don't queue for a daemon not there yet
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.connect(f"ipc://{socket_path}")
         self._lock = threading.Lock()  # sends may come from autograd threads

@@ -66,7 +66,9 @@ class Codec(Generic[T]):
                 ErrorCode.MALFORMED,
             )
         tag = raw.get("type")
-        if tag not in self._tags:
+        if tag is None:
+            return ProtocolViolation("message is missing its 'type' field", ErrorCode.MALFORMED)
+        if not isinstance(tag, str) or tag not in self._tags:
             return ProtocolViolation(
                 f"unknown message type {tag!r}; known types: {', '.join(sorted(self._tags))}",
                 ErrorCode.UNKNOWN_TYPE,

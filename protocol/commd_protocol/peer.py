@@ -61,6 +61,8 @@ class PeerProfile(_Msg, tag="peer_profile"):
     comm: list[list[float]] = msgspec.field(default_factory=list)
     measured_comm_s: float = 0.0  # exposed communication per iteration (mean over the round)
     iteration_s: float = 0.0
+    gain: float = 1.0  # mean compression gain ‖sent‖²/‖E‖² over the round (1: dense)
+    ratio: float = 1.0  # the top-k ratio the round ran with (1: dense)
 
 
 class PeerPlan(_Msg, tag="peer_plan"):
@@ -75,6 +77,8 @@ class PeerPlan(_Msg, tag="peer_plan"):
     beta_s_per_byte: float
     predicted_comm_s: float
     reason: str = ""
+    exchanges: list[str] = msgspec.field(default_factory=list)  # per group; [] = all dense
+    ratio: float = 0.0  # top-k ratio of the compressed groups
 
 
 PeerMessage = PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
