@@ -105,7 +105,9 @@ class Coordinator:
         formation.generation, formation.formed = self._generation, True
         first = order[0][1]
         sizes = [layer.size * itemsize(first.dtype) for layer in first.layers]
-        formation.replanner = Replanner(first.planner, sizes)
+        formation.replanner = Replanner(first.planner, sizes, nodes=len(order),
+                                        compression=first.compression,
+                                        itemsize=itemsize(first.dtype))
         store_port = self._store_port() if len(order) > 1 else 0
         for index, (node, _join) in enumerate(order):
             self._send(
@@ -143,6 +145,7 @@ class Coordinator:
             groups=decision.groups, alpha_s=decision.cost.alpha_s,
             beta_s_per_byte=decision.cost.beta_s_per_byte,
             predicted_comm_s=decision.predicted_comm_s, reason=decision.reason,
+            exchanges=decision.exchanges, ratio=decision.ratio,
         )
         for member in formation.joins:
             self._send(member, message)

@@ -36,6 +36,8 @@ from commd_protocol import (
     Registered,
 )
 
+from .compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
+from .compression.topk import parse_compression
 from .engines import Engine, EngineConfig, EngineError, create_engine
 from .memory import SegmentError, SharedSegment
 from .pipeline import Pipeline, ReadyError, make_plan
@@ -101,6 +103,7 @@ class Job:
         self.last_plan: PeerPlan | None = None
         self.measured_comm_s = 0.0
         self.recent_iterations_s: list[float] = []
+        self.gain = 1.0  # last compression gain reported
         self.created = time.time()
         self._closed = False
 
@@ -189,8 +192,14 @@ class Job:
         for index, layer in enumerate(message.layers):
             if layer.size <= 0:
                 raise JobError(f"layer {index} ({layer.name!r}) has size {layer.size}; must be > 0")
-        if message.compression != "none":
-            raise JobError(f"compression {message.compression!r} is not supported yet")
+        try:
+            spec = parse_compression(message.compression)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+        if spec is not None and message.dtype not in COMPRESSIBLE_DTYPES:
+            raise JobError(
+                f"top-k compression needs float32 or float64 gradients, not {message.dtype}"
+            )
         try:
             self.ctx.validate_planner(message.planner)
         except ValueError as exc:
@@ -290,6 +299,9 @@ class Job:
             on_complete=self._iteration_done,
             on_record=self._record,
             on_failure=lambda exc: self.fail(ErrorCode.ENGINE, f"collective failed: {exc}"),
+            node_index=self.setup.node_index if self.setup else 0,
+            nodes=self.setup.nodes if self.setup else 1,
+            compressed=parse_compression(reg.compression) is not None,
         )
 
     def on_plan(self, decision: PeerPlan) -> None:
@@ -299,7 +311,8 @@ class Job:
         self.last_plan = decision
         self.pipeline.schedule(
             decision.effective_iteration,
-            make_plan(decision.version, decision.groups, self.pipeline.sizes),
+            make_plan(decision.version, decision.groups, self.pipeline.sizes,
+                      decision.exchanges, decision.ratio),
         )
         if self.state == "starting":
             self._start_running(decision)
@@ -329,13 +342,14 @@ class Job:
         if (record.iteration + 1) % REPORT_EVERY:
             return
         summary = self.profiler.summary()
-        self.gain = summary.gain
+        if summary.gains:
+            self.gain = summary.gains[-1][1]
         self.pipeline.expect_decision(record.iteration + 1 + DECISION_LAG)
         self.ctx.send_peer(self.coordinator, PeerProfile(
             job=self.id, round=(record.iteration + 1) // REPORT_EVERY,
             iteration=record.iteration, ready_offsets_s=summary.ready_offsets_s,
             comm=summary.comm, measured_comm_s=summary.exposed_comm_s,
-            iteration_s=summary.iteration_s, gain=summary.gain, ratio=summary.ratio,
+            iteration_s=summary.iteration_s, gains=summary.gains,
         ))
 
     # --- iterations ------------------------------------------------------------------------------
@@ -463,6 +477,10 @@ class Job:
             "beta_s_per_byte": plan.beta_s_per_byte if plan else None,
             "predicted_comm_s": plan.predicted_comm_s if plan else None,
             "measured_comm_s": self.measured_comm_s,
+            "compression": reg.compression if reg else None,
+            "ratio": pipeline.plan.ratio if pipeline and pipeline.plan else None,
+            "exchanges": pipeline.plan.exchanges if pipeline and pipeline.plan else [],
+            "gain": self.gain,
             "layers": len(reg.layers) if reg else 0,
             "dtype": reg.dtype if reg else None,
             "op": reg.op if reg else None,

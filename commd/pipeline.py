@@ -19,9 +19,9 @@ import numpy as np
 
 from commd_client.layout import backward_offsets, group_span
 
-from .engines import Engine, host_ops
 from .compression.exchange import GroupExchange
 from .compression.topk import topk_count
+from .engines import Engine, host_ops
 from .profiler import PROBE_ELEMENTS, PROBE_REPEATS, CommSample, IterationRecord
 
 # Below this many bytes a memory op is cheaper inline than a hop to a worker thread.

@@ -112,8 +112,7 @@ class RoundSummary:
     comm: list[list[float]]
     exposed_comm_s: float
     iteration_s: float
-    gain: float
-    ratio: float
+    gains: list[list[float]]  # [ratio, mean gain] per ratio used (compressed rounds only)
 
 
 @dataclass
@@ -130,13 +129,20 @@ class NodeProfiler:
         """Medians and means over the records since the last summary, which it consumes."""
         records, self.records = self.records, []
         if not records:
-            return RoundSummary([], [], 0.0, 0.0, 1.0, 1.0)
+            return RoundSummary([], [], 0.0, 0.0, [])
         offsets = np.median(np.stack([r.ready_offsets_s for r in records]), axis=0)
         return RoundSummary(
             ready_offsets_s=[float(x) for x in offsets],
             comm=[[s.key[0], s.key[1], s.nbytes, s.seconds] for r in records for s in r.comm],
             exposed_comm_s=float(np.mean([r.exposed_comm_s for r in records])),
             iteration_s=float(np.mean([r.iteration_s for r in records])),
-            gain=float(np.mean([r.gain for r in records])),
-            ratio=records[-1].ratio,
+            gains=_gains_by_ratio(records),
         )
+
+
+def _gains_by_ratio(records: Sequence[IterationRecord]) -> list[list[float]]:
+    by_ratio: dict[float, list[float]] = {}
+    for record in records:
+        if record.ratio < 1.0:
+            by_ratio.setdefault(record.ratio, []).append(record.gain)
+    return [[ratio, float(np.mean(gains))] for ratio, gains in sorted(by_ratio.items())]

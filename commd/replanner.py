@@ -1,7 +1,8 @@
 """The coordinator's per-job planning state: job-wide profile in, plan decisions out.
 
 No I/O: the coordinator feeds it every node's report of a round and sends what it returns.
-It re-plans when a, b or the backward profile drift beyond ``DRIFT`` since the last plan.
+It re-plans when a, b or the backward profile drift beyond ``DRIFT`` since the last plan, and
+with compression it also chooses the exchange per group and (``topk:auto``) the ratio.
 """
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ import numpy as np
 
 from commd_protocol import PeerProfile
 
+from .compression.planning import (
+    EXPLORE_RATIOS,
+    RESOLVE_CHANGE,
+    choose_exchange,
+    compressed_cost,
+    exchange_time,
+    fit_gain,
+    link_cost,
+    pick_ratio,
+)
+from .compression.topk import CompressionSpec, parse_compression
 from .planner import LinearCost, evaluate, plan_with
 from .profiler import (
     DECISION_LAG,
@@ -25,6 +37,7 @@ from .profiler import (
 
 DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a re-plan
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement
+GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
 
 
 @dataclass(frozen=True)
@@ -35,16 +48,30 @@ class Decision:
     cost: LinearCost
     predicted_comm_s: float
     reason: str
+    exchanges: list[str] = field(default_factory=list)
+    ratio: float = 0.0
 
 
 @dataclass
 class Replanner:
     planner: str
     sizes_bytes: list[int]
+    nodes: int = 1
+    compression: str = "none"
+    itemsize: int = 4
     version: int = 0
     groups: list[list[int]] = field(default_factory=list)
+    exchanges: list[str] = field(default_factory=list)
+    ratio: float = 0.0
     cost: LinearCost | None = None
+    planning_cost: LinearCost | None = None
     backward_s: list[float] = field(default_factory=list)
+    gains: list[tuple[float, float]] = field(default_factory=list)  # (ratio, gain)
+    _spec: CompressionSpec | None = None
+    _ratio_basis: tuple[float, float, float] | None = None  # α, β, gain at the last solve
+
+    def __post_init__(self) -> None:
+        self._spec = parse_compression(self.compression)
 
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
         """The plan for the round all ``reports`` (one per node) belong to."""
@@ -52,19 +79,28 @@ class Replanner:
         samples = combine_comm([r.comm for r in reports])
         cost = self._fit(samples) or self.cost or FALLBACK_COST
         backward = self._backward(reports)
+        for report in reports:
+            self.gains.extend((r, g) for r, g in report.gains)
+        self.gains = self.gains[-GAIN_MEMORY:]
         reason = self._why_replan(cost, backward)
+        ratio, ratio_reason = self._choose_ratio(cost)
+        if ratio_reason:
+            reason = ", ".join(x for x in (reason, ratio_reason) if x)
         if reason:
-            groups = plan_with(self.planner, self.sizes_bytes, backward, cost)
-            if groups != self.groups:
+            self.cost, self.backward_s, self.ratio = cost, backward, ratio
+            groups, exchanges, self.planning_cost = self._plan()
+            if (groups, exchanges) != (self.groups, self.exchanges):
                 self.version += 1
-                self.groups = groups
-            self.cost, self.backward_s = cost, backward
-        assert self.cost is not None
-        timing = evaluate(self.groups, self.sizes_bytes, self.backward_s, self.cost)
+                self.groups, self.exchanges = groups, exchanges
+        assert self.cost is not None and self.planning_cost is not None
+        timing = evaluate(self.groups, self.sizes_bytes, self.backward_s, self.planning_cost)
         last = max(r.iteration for r in reports)
         effective = 0 if round_number == 0 else last + 1 + DECISION_LAG
         return Decision(effective, self.version, self.groups, self.cost,
-                        timing.exposed_comm_s, reason or "no drift")
+                        timing.exposed_comm_s, reason or "no drift", self.exchanges,
+                        self.ratio)
+
+    # --- the network and the backward profile ------------------------------------------------
 
     def _fit(self, samples: list[tuple[int, float]]) -> LinearCost | None:
         """a, b from this round's collectives alone, so a change of network shows at once."""
@@ -99,3 +135,69 @@ class Replanner:
         if profile_drift(self.backward_s, backward) > DRIFT:
             moved.append("backward profile")
         return ", ".join(moved)
+
+    # --- compression -------------------------------------------------------------------------
+
+    def _elements(self, group: Sequence[int]) -> int:
+        return max(1, sum(self.sizes_bytes[i] for i in group) // self.itemsize)
+
+    def _plan(self) -> tuple[list[list[int]], list[str], LinearCost]:
+        """Groups, per-group exchanges and the cost the plan was made with."""
+        assert self.cost is not None
+        spec = self._spec
+        if spec is None:
+            return plan_with(self.planner, self.sizes_bytes, self.backward_s, self.cost), [], \
+                self.cost
+        link = link_cost(self.cost, self.nodes)
+        best: tuple[float, list[list[int]], LinearCost] | None = None
+        for exchange in ([spec.exchange] if spec.exchange != "auto"
+                         else ["allgather", "allreduce"]):
+            cost = compressed_cost(exchange, self.nodes, link, self.ratio, self.itemsize)
+            groups = plan_with(self.planner, self.sizes_bytes, self.backward_s, cost)
+            iteration = evaluate(groups, self.sizes_bytes, self.backward_s, cost).iteration_s
+            if best is None or iteration < best[0]:
+                best = (iteration, groups, cost)
+        assert best is not None
+        _, groups, cost = best
+        exchanges = [choose_exchange(spec.exchange, self.nodes, link, self._elements(g),
+                                     self.ratio) for g in groups]
+        return groups, exchanges, cost
+
+    def _choose_ratio(self, cost: LinearCost) -> tuple[float, str]:
+        """(ratio, why it changed or ""): fixed, exploring, or solved on the Pareto front."""
+        spec = self._spec
+        if spec is None:
+            return 0.0, ""
+        if spec.ratio is not None:
+            return spec.ratio, ""
+        tried = {r for r, _ in self.gains}
+        for ratio in EXPLORE_RATIOS:
+            if ratio not in tried:
+                return ratio, "" if ratio == self.ratio else f"exploring ratio {ratio:g}"
+        model = fit_gain(self.gains)
+        assert model is not None  # three ratios tried
+        at_current = [g for r, g in self.gains[-20:] if r == self.ratio]
+        gain_now = float(np.mean(at_current)) if at_current else float(model.gain(self.ratio))
+        basis = (cost.alpha_s, cost.beta_s_per_byte, gain_now)
+        if self._ratio_basis is not None and all(
+            relative_change(old, new) < RESOLVE_CHANGE
+            for old, new in zip(self._ratio_basis, basis, strict=True)
+        ):
+            return self.ratio, ""
+        self._ratio_basis = basis
+        link = link_cost(cost, self.nodes)
+        groups = self.groups or [list(range(len(self.sizes_bytes)))]
+        spec_exchange = spec.exchange
+
+        def time_of(ratio: float) -> float:
+            return sum(
+                exchange_time(
+                    choose_exchange(spec_exchange, self.nodes, link, self._elements(g), ratio),
+                    self.nodes, link, self._elements(g), ratio,
+                )
+                for g in groups
+            )
+
+        ratio, _front = pick_ratio(time_of, model)
+        changed = relative_change(self.ratio, ratio) >= RESOLVE_CHANGE
+        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF)" if changed else ""

@@ -127,9 +127,9 @@ def _from_file(path: str) -> dict[str, Any]:
             raise SettingsError(
                 f"commd: unknown key {key!r} in {path}; known keys: {', '.join(known)}"
             )
-        if option.type is str and not isinstance(raw, str) or option.type is float and (
+        if (option.type is str and not isinstance(raw, str)) or (option.type is float and (
             isinstance(raw, bool) or not isinstance(raw, int | float)
-        ):
+        )):
             raise SettingsError(
                 f"commd: {key} in {path} must be a {option.type.__name__}, got {raw!r}"
             )

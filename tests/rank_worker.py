@@ -45,9 +45,11 @@ def main() -> None:
         ) as client:
             layers = [(name, size) for name, size in spec["layers"]]
             grads = client.register(
-                layers, dtype=spec["dtype"], op=spec["op"], planner=spec.get("planner", "wfbp")
+                layers, dtype=spec["dtype"], op=spec["op"], planner=spec.get("planner", "wfbp"),
+                compression=spec.get("compression", "none"),
             )
-            print(json.dumps({"registered": True, "groups": client.groups}), flush=True)
+            print(json.dumps({"registered": True, "groups": client.groups,
+                              "nodes": client.nodes}), flush=True)
             for iteration in range(spec["iterations"]):
                 if iteration == spec.get("die_at"):
                     os._exit(17)  # vanish without goodbye, like a crashed trainer

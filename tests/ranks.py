@@ -26,6 +26,7 @@ class JobSpec:
     op: str = "sum"
     iterations: int = 3
     planner: str = "wfbp"
+    compression: str = "none"
     timeout: float = 60.0
     overrides: dict[int, dict[str, Any]] = field(default_factory=dict)  # per rank
 
@@ -44,6 +45,7 @@ def start_ranks(spec: JobSpec) -> list[subprocess.Popen[str]]:
             "coordinator": spec.nodes[0].address, "socket": spec.nodes[node].socket,
             "timeout": spec.timeout, "layers": spec.layers, "dtype": spec.dtype, "op": spec.op,
             "iterations": spec.iterations, "planner": spec.planner,
+            "compression": spec.compression,
             **spec.overrides.get(rank, {}),
         }
         processes.append(subprocess.Popen(

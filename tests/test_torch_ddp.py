@@ -10,6 +10,7 @@ union, which is what torch DDP computes too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,13 +21,13 @@ from typing import Any
 
 import pytest
 import torch
+from ddp_worker import batch, build_model, loss_of, sgd_step
 from torch import nn
 
 from commd.launch import LocalDaemon
 from commd_client import CommdError
 from commd_client._torch_common import check_cpu
 from commd_client.torch import DistributedDataParallel
-from ddp_worker import batch, build_model, loss_of, sgd_step
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "train.py")
@@ -49,7 +50,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon
 def run_ranks(
     tmp_path: Path, nodes: list[Any], ranks_per_node: int, job: str, model: str, *,
     steps: int = 3, accumulate: int = 1, batch_size: int = 4, lr: float = 0.1,
-    same_init: bool = False, timeout: float = 60.0,
+    same_init: bool = False, timeout: float = 60.0, models: dict[int, str] | None = None,
+    expect_error: bool = False,
 ) -> list[dict[str, Any]]:
     world = len(nodes) * ranks_per_node
     processes, outputs = [], []
@@ -59,7 +61,7 @@ def run_ranks(
             "job": job, "rank": rank, "world_size": world,
             "local_rank": rank % ranks_per_node, "local_world_size": ranks_per_node,
             "coordinator": nodes[0].address, "socket": nodes[rank // ranks_per_node].socket,
-            "timeout": timeout, "model": model, "steps": steps, "accumulate": accumulate,
+            "timeout": timeout, "model": (models or {}).get(rank, model), "steps": steps, "accumulate": accumulate,
             "batch": batch_size, "lr": lr, "init_seed": 0 if same_init else 100 + rank,
             "out": str(out),
         }
@@ -79,7 +81,7 @@ def run_ranks(
     for rank, (process, out) in enumerate(zip(processes, outputs, strict=True)):
         assert process.returncode == 0 and out.exists(), f"rank {rank}: {errors[rank]}"
         result = torch.load(out)
-        assert "error" not in result, result.get("traceback")
+        assert ("error" in result) == expect_error, result.get("traceback")
         results.append(result)
     return results
 
@@ -199,3 +201,44 @@ def test_gpu_models_get_a_clear_error() -> None:
     if torch.cuda.is_available():
         with pytest.raises(CommdError, match="'weight' is on cuda:0; the GPU path"):
             DistributedDataParallel(nn.Linear(2, 2).cuda(), world_size=1)
+
+
+@pytest.mark.timeout(60)
+def test_different_models_get_an_error_naming_the_first_differing_layer(nodes, tmp_path) -> None:
+    results = run_ranks(tmp_path, nodes, 1, "ddp-mismatch", "mlp", models={1: "branchy"},
+                        expect_error=True)
+    for result in results:
+        assert result["error"].startswith("CommdError: commd: "), result["error"]
+        assert "first differing layer is 0: '0.weight'" in result["error"], result["error"]
+        assert "'body.weight'" in result["error"]
+
+
+@pytest.mark.timeout(30)
+def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
+    """world size 1 in this process: zero copy, zero_grad(set_to_none), no_sync, state_dict."""
+    model = build_model("mlp", 100)
+    reference_model = build_model("mlp", 100)
+    with DistributedDataParallel(
+        model, job="ddp-inproc", rank=0, world_size=1, local_rank=0, local_world_size=1,
+        coordinator=nodes[0].address, socket=nodes[0].socket, timeout=20,
+    ) as ddp:
+        assert list(ddp.state_dict()) == [f"module.{k}" for k in model.state_dict()]
+        for step in range(3):
+            for micro in range(2):
+                x, y = batch("mlp", 0, step, micro, 4)
+                context = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
+                with context:
+                    loss_of(ddp, "mlp", 0, x, y).backward()
+                loss_of(reference_model, "mlp", 0, x, y).backward()
+            flat = ddp._reducer._buckets[0].client.flat
+            start, stop = flat.ctypes.data, flat.ctypes.data + flat.nbytes
+            for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
+                assert start <= param.grad.data_ptr() < stop  # a view of the shared buffer
+                torch.testing.assert_close(param.grad, want.grad, atol=1e-6, rtol=0)
+            sgd_step(list(model.parameters()), 0.1)  # sets .grad = None, like zero_grad()
+            sgd_step(list(reference_model.parameters()), 0.1)
+        state = ddp.state_dict()
+        ddp.load_state_dict(state)
+        assert ddp.module is model
+    for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(param, want, atol=1e-6, rtol=0)

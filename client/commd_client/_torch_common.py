@@ -133,7 +133,7 @@ class Broadcaster:
 
     def __init__(
         self, endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]],
-        planner: str,
+        planner: str | None,
     ) -> None:
         self.rank = endpoint.rank
         self.names = [name for name, tensor in named if tensor.numel() > 0]
@@ -170,7 +170,10 @@ class Broadcaster:
 
 
 def broadcast_once(
-    endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]], planner: str
+    endpoint: Endpoint,
+    suffix: str,
+    named: Sequence[tuple[str, torch.Tensor]],
+    planner: str | None,
 ) -> None:
     """Overwrite ``named`` with rank 0's values through a short-lived job."""
     if not any(tensor.numel() for _, tensor in named):
@@ -182,7 +185,7 @@ def broadcast_once(
         broadcaster.close()
 
 
-def broadcast_order(endpoint: Endpoint, order: Sequence[int], planner: str) -> list[int]:
+def broadcast_order(endpoint: Endpoint, order: Sequence[int], planner: str | None) -> list[int]:
     """Rank 0's list of parameter indices, to every rank."""
     values = torch.tensor([float(i) for i in order], dtype=torch.float64)
     broadcast_once(endpoint, ".order", [("order", values)], planner)

@@ -53,7 +53,10 @@ class Reducer:
     """Hooks on the parameters; reduces their gradients through commd at each backward."""
 
     def __init__(
-        self, named: Sequence[tuple[str, torch.nn.Parameter]], endpoint: Endpoint, planner: str
+        self,
+        named: Sequence[tuple[str, torch.nn.Parameter]],
+        endpoint: Endpoint,
+        planner: str | None,
     ) -> None:
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
@@ -161,7 +164,8 @@ class Reducer:
     # --- registration ----------------------------------------------------------------------------
 
     def _register(self) -> None:
-        """First synchronising backward: agree on the order, register, adopt the gradients."""
+        """First synchronising backward: agree on the order and register (``_mark_rest`` then
+        copies this iteration's gradients in and makes ``.grad`` the views)."""
         seen = list(self._observed)
         unseen = [i for i in reversed(range(len(self.params))) if i not in self._observed]
         order = seen + unseen  # ready order, first ready first
@@ -178,11 +182,6 @@ class Reducer:
         except BaseException:
             self.close()
             raise
-        for index, param in enumerate(self.params):
-            if param.grad is None:
-                self._attach_zeros(index)
-            else:
-                self._adopt(index, param)
 
     def _open_bucket(self, suffix: str, dtype: str, ready_order: list[int]) -> _Bucket:
         # Layers go to commd in forward order: the last one registered is laid out first.
@@ -225,7 +224,7 @@ class Reducer:
                 view.copy_(grad)
             param.grad = view
 
-    # --- errors and closing ------------------------------------------------------------------------
+    # --- errors and closing ----------------------------------------------------------------------
 
     def _check(self) -> None:
         if self._failure is not None:

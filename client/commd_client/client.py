@@ -136,13 +136,14 @@ class Client:
         dtype: str = "float32",
         op: str = "avg",
         planner: str | None = None,
-        compression: str = "none",
+        compression: str | None = None,
     ) -> list[np.ndarray]:
         """Register the layers (forward order); block until the job is formed.
 
         Returns one writable 1-D array per layer, all views of one shared buffer laid out in
         backward order. bfloat16 gradients come as uint16 arrays of raw bits. ``planner``
-        defaults to $COMMD_PLANNER, else the daemon's default (``optimal``).
+        defaults to $COMMD_PLANNER, else the daemon's default (``optimal``); ``compression``
+        (``none``, ``topk:RATIO[:EXCHANGE]``, ``topk:auto``) to $COMMD_COMPRESSION, else none.
         """
         if self._segment is not None:
             raise CommdError("commd: register() was already called on this client")
@@ -167,7 +168,7 @@ class Client:
                 op=op,
                 shm_name=self._segment.name,
                 planner=planner if planner is not None else env.planner(),
-                compression=compression,
+                compression=compression if compression is not None else env.compression(),
             )
         )
         reply = self._connection.receive(self.timeout, "the job to form (every rank to register)")

@@ -65,3 +65,8 @@ def socket_path() -> str:
 def planner() -> str:
     """COMMD_PLANNER, else "" (the daemon's default planner)."""
     return os.environ.get("COMMD_PLANNER", "")
+
+
+def compression() -> str:
+    """COMMD_COMPRESSION, else "none"."""
+    return os.environ.get("COMMD_COMPRESSION", "none")

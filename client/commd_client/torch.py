@@ -62,7 +62,7 @@ class DistributedDataParallel(nn.Module):
         coordinator: str | None = None,
         socket: str | None = None,
         timeout: float = 300.0,
-        planner: str = "optimal",
+        planner: str | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = True,
         device_ids: Sequence[Any] | None = None,
@@ -87,21 +87,25 @@ class DistributedDataParallel(nn.Module):
                 "commd: the module has no parameter that requires a gradient; "
                 "DistributedDataParallel has nothing to reduce"
             )
-        if self.endpoint.world_size > 1:
-            broadcast_once(self.endpoint, ".init", self._state(), planner)
+        # Checks every dtype and installs the hooks; no communication yet.
+        self._reducer = Reducer(trained, self.endpoint, planner)
         self._buffers_sync: Broadcaster | None = None
-        buffers = list(module.named_buffers())
-        if broadcast_buffers and self.endpoint.world_size > 1 and any(b.numel() for _, b in buffers):
-            self._buffers_sync = Broadcaster(self.endpoint, ".buffers", buffers, planner)
-        try:
-            self._reducer = Reducer(trained, self.endpoint, planner)
-        except BaseException:
-            if self._buffers_sync is not None:
-                self._buffers_sync.close()
-            raise
+        self._broadcasters: list[Broadcaster] = []
         self._closed = False
         # Unlinks the shared memory at interpreter exit (or when the wrapper is collected).
-        self._finalizer = weakref.finalize(self, _close, self._reducer, self._buffers_sync)
+        self._finalizer = weakref.finalize(self, _close, self._reducer, self._broadcasters)
+        try:
+            if self.endpoint.world_size > 1:
+                broadcast_once(self.endpoint, ".init", self._state(), planner)
+            has_buffers = any(buffer.numel() for _, buffer in module.named_buffers())
+            if broadcast_buffers and has_buffers and self.endpoint.world_size > 1:
+                self._buffers_sync = Broadcaster(
+                    self.endpoint, ".buffers", list(module.named_buffers()), planner
+                )
+                self._broadcasters.append(self._buffers_sync)
+        except BaseException:
+            self.close()
+            raise
 
     def _state(self) -> list[tuple[str, torch.Tensor]]:
         return [*self.module.named_parameters(), *self.module.named_buffers()]
@@ -161,8 +165,8 @@ class DistributedDataParallel(nn.Module):
         self.close()
 
 
-def _close(reducer: Reducer, buffers_sync: Broadcaster | None) -> None:
+def _close(reducer: Reducer, broadcasters: list[Broadcaster]) -> None:
     reducer.close()
-    if buffers_sync is not None:
+    for broadcaster in broadcasters:
         with contextlib.suppress(Exception):
-            buffers_sync.close()
+            broadcaster.close()

@@ -98,7 +98,13 @@ class GlooEngine(Engine):
         return self._bridge(work)
 
     def broadcast(self, buffer: np.ndarray, root: int, dtype: str) -> asyncio.Future[None]:
-        return self._bridge(self._require_group().broadcast([self._tensor(buffer, dtype)], root))
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = root, 0
+        return self._bridge(
+            self._require_group().broadcast([self._tensor(buffer, dtype)], options)
+        )
 
     def close(self) -> None:
         # Dropping the references lets Gloo close its pairs; a collective still in flight on

@@ -61,8 +61,8 @@ class PeerProfile(_Msg, tag="peer_profile"):
     comm: list[list[float]] = msgspec.field(default_factory=list)
     measured_comm_s: float = 0.0  # exposed communication per iteration (mean over the round)
     iteration_s: float = 0.0
-    gain: float = 1.0  # mean compression gain ‖sent‖²/‖E‖² over the round (1: dense)
-    ratio: float = 1.0  # the top-k ratio the round ran with (1: dense)
+    # [ratio, mean compression gain ‖sent‖²/‖E‖²] per top-k ratio used in the round
+    gains: list[list[float]] = msgspec.field(default_factory=list)
 
 
 class PeerPlan(_Msg, tag="peer_plan"):

@@ -1,0 +1,33 @@
+"""An independent numpy model of commd's top-k exchanges over several nodes (for tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def topk(error: np.ndarray, k: int) -> np.ndarray:
+    """Largest |error| first; among equal magnitudes the lower index (a stable sort)."""
+    return np.sort(np.argsort(-np.abs(error), kind="stable")[:k])
+
+
+def exchange(node_sums: Sequence[np.ndarray], residuals: list[np.ndarray], k: int,
+             method: str, iteration: int) -> np.ndarray:
+    """One group of one iteration: returns the dense result; updates ``residuals``."""
+    errors = [s + r for s, r in zip(node_sums, residuals, strict=True)]
+    result = np.zeros_like(errors[0])
+    if method == "allreduce":
+        leader = iteration % len(errors)
+        chosen = topk(errors[leader], k)
+        for node, error in enumerate(errors):
+            result[chosen] += error[chosen]
+            residuals[node] = error.copy()
+            residuals[node][chosen] = 0
+    else:
+        for node, error in enumerate(errors):
+            chosen = topk(error, k)
+            np.add.at(result, chosen, error[chosen])
+            residuals[node] = error.copy()
+            residuals[node][chosen] = 0
+    return result

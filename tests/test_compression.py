@@ -1,0 +1,68 @@
+"""Top-k compression: the pieces, and exact end-to-end results against a numpy model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from commd.compression.topk import CompressionSpec, parse_compression, select_topk
+from commd.compression.topk import topk_count as k_of
+from compression_reference import exchange, topk
+from rank_worker import value
+from ranks import JobSpec, collect, start_ranks
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [("none", None), ("topk:0.01", CompressionSpec(0.01, "auto")),
+     ("topk:0.1:allgather", CompressionSpec(0.1, "allgather")),
+     ("topk:auto", CompressionSpec(None, "auto")),
+     ("topk:auto:allreduce", CompressionSpec(None, "allreduce"))],
+)
+def test_parse(text: str, spec: CompressionSpec | None) -> None:
+    assert parse_compression(text) == spec
+
+
+@pytest.mark.parametrize("bad", ["topk", "topk:0", "topk:2", "topk:x", "topk:0.1:ring", "zip"])
+def test_parse_rejects(bad: str) -> None:
+    with pytest.raises(ValueError, match="compression"):
+        parse_compression(bad)
+
+
+def test_select_topk_matches_the_reference_and_handles_edges() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        data = rng.integers(-5, 5, size=int(rng.integers(1, 50))).astype(np.float32)
+        k = int(rng.integers(1, data.size + 1))
+        np.testing.assert_array_equal(select_topk(data, k), topk(data, k))
+    assert select_topk(np.array([3.0], dtype=np.float32), 1).tolist() == [0]
+    assert select_topk(np.zeros(4, dtype=np.float32), 2).tolist() == [0, 1]
+    assert select_topk(np.arange(3, dtype=np.float32), 7).tolist() == [0, 1, 2]
+    assert k_of(5, 0.001) == 1 and k_of(1000, 0.01) == 10
+
+
+LAYERS = [("w0", 40), ("b0", 1), ("w1", 64), ("b1", 7)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["allreduce", "allgather"])
+def test_exact_against_numpy_through_two_daemons(start_daemon, method: str) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    ratio = 0.1
+    spec = JobSpec(f"topk-{method}", nodes, 2, LAYERS, op="sum", iterations=4, planner="wfbp",
+                   compression=f"topk:{ratio}:{method}")
+    results = collect(start_ranks(spec))
+    for result in results:
+        assert "error" not in result, result
+    # The model: per layer (one group each), nodes sum their two ranks, then exchange.
+    residuals = {i: [np.zeros(n, np.float32) for _ in nodes] for i, (_, n) in enumerate(LAYERS)}
+    for iteration in range(spec.iterations):
+        for index, (_, size) in enumerate(LAYERS):
+            sums = [sum(value(r, iteration, index, size).astype(np.float32)
+                        for r in (2 * node, 2 * node + 1)) for node in range(len(nodes))]
+            want = exchange(sums, residuals[index], k_of(size, ratio), method, iteration)
+            for result in results:
+                np.testing.assert_array_equal(
+                    np.array(result["iterations"][iteration][index], dtype=np.float32), want,
+                    err_msg=f"rank {result['rank']} iteration {iteration} layer {index}",
+                )
