@@ -1,19 +1,25 @@
 """Overhead of going through commd vs one raw Gloo allreduce of the same bytes.
 
-ResNet-50's 161 gradient tensors (25,557,032 float32 elements, ~102 MB) are all-reduced
-through two real daemons (two ``commd run`` subprocesses on 127.0.0.1, one rank each,
-op=sum) and compared with one ``ProcessGroupGloo.allreduce`` of one 25.6M-element float32
-tensor between two plain processes (the group built directly on a TCPStore, no
-init_process_group). Baseline and commd runs alternate within one command, because the
-machine is shared and noisy; each pair is reported, plus the pooled ratio.
+ResNet-50's 161 gradient tensors (25,557,032 float32 elements, 102.2 MB) are all-reduced
+through two real daemons (two ``commd run`` subprocesses on 127.0.0.1, random peer ports,
+one rank each, op=sum) and compared with one ``ProcessGroupGloo.allreduce`` of one
+25.6M-element float32 tensor between two plain processes (the group built directly on a
+TCPStore, no init_process_group).
 
-    .venv/bin/python bench/overhead.py                      # syncea, ready all at once
-    .venv/bin/python bench/overhead.py --ready both --repeats 3
+The machine this runs on is shared and noisy, so baseline and commd are interleaved
+iteration by iteration: all worker processes stay up, and this process tells one pair at a
+time to run one iteration (raw, commd, raw, commd, ...), both ranks of a pair at the same
+moment. Every repeat starts fresh workers and a fresh job; each repeat's ratio is reported,
+plus the ratio over all repeats pooled.
+
+    .venv/bin/python bench/overhead.py                      # syncea, all layers ready at once
+    .venv/bin/python bench/overhead.py --ready both         # also one ready() per layer
     .venv/bin/python bench/overhead.py --planner wfbp --json
 
 Timed per iteration, in each client process: from just before ``ready()`` to the return of
 ``wait()``; in each baseline process: ``pg.allreduce([t]).wait()``. Medians, p10 and p90 are
-over the measured iterations (after --warmup). This is a benchmark, not a timed test.
+over the measured iterations (after --warmup); the headline ratio is rank 0's commd median
+over rank 0's raw median. This is a benchmark, not a timed test.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import select
 import shutil
 import signal
 import subprocess
@@ -33,13 +40,14 @@ import time
 import uuid
 from pathlib import Path
 from types import FrameType, ModuleType
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.10
 WORLD = 2
+JOB_PREFIX = "bench-overhead-"  # client segments are /dev/shm/commd-<job>-r<rank>-<hex>
 
 
 # --- the layers ----------------------------------------------------------------------------------
@@ -53,11 +61,24 @@ def resnet50_layers() -> list[tuple[str, int]]:
     return layers
 
 
-# --- worker processes (this file, re-run with --worker) ------------------------------------------
+# --- worker processes: this file, re-run with --worker; one line of JSON per command ------------
 
 
-def _raw_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the baseline: one Gloo allreduce of one tensor per iteration."""
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _serve_commands(step: Any) -> None:
+    """Run ``step()`` once per "go" line on stdin and report its result; stop at "stop"/EOF."""
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        _say(step())
+
+
+def _raw_worker(spec: dict[str, Any]) -> None:
+    """One rank of the baseline: one Gloo allreduce of one tensor per command."""
     from datetime import timedelta
 
     import torch
@@ -72,16 +93,18 @@ def _raw_worker(spec: dict[str, Any]) -> dict[str, Any]:
         dist.PrefixStore(spec["key"], store), spec["rank"], WORLD, options
     )
     tensor = torch.zeros(spec["numel"], dtype=torch.float32)  # zeros: sums stay finite
-    times = []
-    for _ in range(spec["warmup"] + spec["iterations"]):
+    _say({"ready": True})
+
+    def step() -> dict[str, Any]:
         start = time.perf_counter()
         group.allreduce([tensor]).wait()
-        times.append(time.perf_counter() - start)
+        return {"t": time.perf_counter() - start}
+
+    _serve_commands(step)
     del group
-    return {"rank": spec["rank"], "times": times[spec["warmup"]:]}
 
 
-def _client_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def _client_worker(spec: dict[str, Any]) -> None:
     """One training rank: mark every layer ready (at once or one by one), then wait()."""
     from commd_client import Client
 
@@ -92,10 +115,12 @@ def _client_worker(spec: dict[str, Any]) -> dict[str, Any]:
         job=spec["job"], rank=spec["rank"], world_size=WORLD, local_rank=0, local_world_size=1,
         coordinator=spec["coordinator"], socket=spec["socket"], timeout=spec["timeout"],
     ) as client:
-        client.register(layers, dtype="float32", op="sum", planner=spec["planner"])
+        client.register(layers, dtype="float32", op="sum", planner=spec["planner"],
+                        compression="none")
         client.flat[:] = 0.0  # touch every page once; zeros keep the sums finite
-        times, marking = [], []
-        for _ in range(spec["warmup"] + spec["iterations"]):
+        _say({"ready": True, "groups": len(client.groups), "planner": client.planner})
+
+        def step() -> dict[str, Any]:
             start = time.perf_counter()
             if spec["ready"] == "all":
                 client.ready(everything)
@@ -104,27 +129,28 @@ def _client_worker(spec: dict[str, Any]) -> dict[str, Any]:
                     client.ready(index)
             marked = time.perf_counter()
             client.wait()
-            end = time.perf_counter()
-            times.append(end - start)
-            marking.append(marked - start)
-        groups = len(client.groups)
-    skip = spec["warmup"]
-    return {"rank": spec["rank"], "times": times[skip:], "ready_s": marking[skip:],
-            "groups": groups}
+            return {"t": time.perf_counter() - start, "ready_s": marked - start}
+
+        _serve_commands(step)
 
 
 def worker_main(kind: str, spec_json: str) -> int:
     spec = json.loads(spec_json)
-    result = _raw_worker(spec) if kind == "raw" else _client_worker(spec)
-    print(json.dumps(result), flush=True)
+    with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
+        (_raw_worker if kind == "raw" else _client_worker)(spec)
     return 0
 
 
 # --- orchestration -------------------------------------------------------------------------------
 
 
+class BenchError(RuntimeError):
+    pass
+
+
 def _load_daemons_module() -> ModuleType:
-    """tests/daemons.py, imported by path: the same starter the end-to-end tests use."""
+    """tests/daemons.py, imported by path: the starter the end-to-end tests use (sd_notify
+    READY=1 on NOTIFY_SOCKET, random peer port, SIGTERM on stop)."""
     path = ROOT / "tests" / "daemons.py"
     spec = importlib.util.spec_from_file_location("_commd_test_daemons", path)
     assert spec is not None and spec.loader is not None
@@ -133,34 +159,96 @@ def _load_daemons_module() -> ModuleType:
     return module
 
 
-class BenchError(RuntimeError):
-    pass
+class Worker:
+    """A worker subprocess driven by lines on stdin, answering with JSON lines on stdout."""
+
+    def __init__(self, kind: str, spec: dict[str, Any], errors: IO[bytes]) -> None:
+        self.kind = kind
+        self.rank = spec["rank"]
+        self._errors = errors
+        self._buffer = b""
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, cwd=ROOT, bufsize=0,
+        )
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(line.encode() + b"\n")
+        except BrokenPipeError:
+            raise BenchError(f"{self.describe()} exited early:\n{self.error_tail()}") from None
+
+    def receive(self, deadline: float) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        stream = self.process.stdout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"{self.describe()} did not answer in time:\n{self.error_tail()}")
+            readable, _, _ = select.select([stream], [], [], left)
+            if readable:
+                chunk = os.read(stream.fileno(), 65536)
+                if not chunk:
+                    self.process.wait()
+                    raise BenchError(
+                        f"{self.describe()} exited with {self.process.returncode}:\n"
+                        f"{self.error_tail()}"
+                    )
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    def describe(self) -> str:
+        return f"{self.kind} worker rank {self.rank} (pid {self.process.pid})"
+
+    def error_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return Path(self._errors.name).read_text(errors="replace")[-3000:]
+        return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.process.stdin is not None
+                self.process.stdin.close()  # EOF: the worker leaves its loop and closes cleanly
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.terminate()
+                try:
+                    self.process.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
 
 
 class Harness:
-    """Owns every process this benchmark starts; ``close()`` stops them all, in reverse."""
+    """Owns everything this benchmark starts; ``close()`` stops it all, in reverse order."""
 
     def __init__(self, timeout: float, keep_logs: bool) -> None:
         self.timeout = timeout
         self.keep_logs = keep_logs
         self.workdir = Path(tempfile.mkdtemp(prefix="commd-bench-"))
         self._daemons_module = _load_daemons_module()
-        self.segments_before: set[str] = self._daemons_module.commd_segments()
         self.daemons: list[Any] = []
-        self.workers: list[subprocess.Popen[str]] = []
+        self.workers: list[Worker] = []
+        self.jobs: list[str] = []
         self._store: Any = None
         self.failed = False
 
-    # daemons
     def start_daemons(self) -> None:
         for index in range(WORLD):
             self.daemons.append(self._daemons_module.DaemonProcess(
-                self.workdir, f"d{index}", "--backend", "gloo",
-                "--timeout-s", str(self.timeout),
+                self.workdir, f"d{index}", "--backend", "gloo", "--timeout-s", str(self.timeout),
             ))
 
-    # the baseline's store, hosted here so that neither worker is special
-    def store_port(self) -> int:
+    def _store_port(self) -> int:
+        """The baseline's TCPStore, hosted here so that neither baseline worker is special."""
         if self._store is None:
             from datetime import timedelta
 
@@ -172,49 +260,40 @@ class Harness:
             )
         return int(self._store.port)
 
-    def run_workers(self, kind: str, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        processes = []
+    def _start_pair(self, kind: str, specs: list[dict[str, Any]]) -> list[Worker]:
+        pair = []
         for spec in specs:
-            process = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
-                 json.dumps(spec)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            )
-            processes.append(process)
-            self.workers.append(process)
-        results = []
-        deadline = time.monotonic() + self.timeout + 60
-        try:
-            for process in processes:
-                left = max(1.0, deadline - time.monotonic())
-                stdout, stderr = process.communicate(timeout=left)
-                lines = [line for line in stdout.splitlines() if line.startswith("{")]
-                if process.returncode != 0 or not lines:
-                    raise BenchError(
-                        f"{kind} worker exited with {process.returncode}:\n{stderr[-3000:]}"
-                    )
-                results.append(json.loads(lines[-1]))
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"{kind} workers did not finish within {self.timeout + 60:.0f}s")
-        finally:
-            self._reap(processes)
-        return results
+            errors = open(self.workdir / f"{kind}-{spec['rank']}-{uuid.uuid4().hex[:6]}.err", "wb")  # noqa: SIM115
+            worker = Worker(kind, spec, errors)
+            errors.close()  # the child holds its own descriptor
+            self.workers.append(worker)
+            pair.append(worker)
+        return pair
 
-    def _reap(self, processes: list[subprocess.Popen[str]]) -> None:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            with contextlib.suppress(ValueError):
-                self.workers.remove(process)
+    def raw_pair(self, numel: int) -> list[Worker]:
+        port, key = self._store_port(), f"raw-{uuid.uuid4().hex[:8]}"
+        return self._start_pair("raw", [
+            {"rank": rank, "store_port": port, "key": key, "numel": numel,
+             "timeout": self.timeout} for rank in range(WORLD)
+        ])
+
+    def commd_pair(self, layers: list[tuple[str, int]], planner: str, ready: str) -> list[Worker]:
+        job = f"{JOB_PREFIX}{ready}-{uuid.uuid4().hex[:8]}"
+        self.jobs.append(job)
+        return self._start_pair("client", [
+            {"job": job, "rank": rank, "coordinator": self.daemons[0].address,
+             "socket": self.daemons[rank].socket, "layers": layers, "planner": planner,
+             "ready": ready, "timeout": self.timeout} for rank in range(WORLD)
+        ])
+
+    def stop_workers(self) -> None:
+        for worker in reversed(self.workers):
+            worker.stop()
+        self.workers.clear()
 
     def close(self) -> list[str]:
-        """Stop workers, then daemons; return (and remove) any leaked /dev/shm segments."""
-        self._reap(list(self.workers))
+        """Stop workers, then daemons; remove (and return) segments our jobs leaked."""
+        self.stop_workers()
         for daemon in reversed(self.daemons):
             code = daemon.stop()
             if code not in (0, -signal.SIGTERM):
@@ -223,7 +302,9 @@ class Harness:
                       file=sys.stderr)
         self.daemons.clear()
         self._store = None
-        leaked = sorted(self._daemons_module.commd_segments() - self.segments_before)
+        # Only this run's jobs: other people's commd segments on a shared machine stay.
+        ours = tuple(f"commd-{job}" for job in self.jobs)
+        leaked = sorted(n for n in self._daemons_module.commd_segments() if n.startswith(ours))
         for name in leaked:
             Path("/dev/shm", name).unlink(missing_ok=True)
         if self.keep_logs or self.failed:
@@ -233,97 +314,102 @@ class Harness:
         return leaked
 
 
-def run_raw(harness: Harness, args: argparse.Namespace, numel: int) -> list[dict[str, Any]]:
-    port = harness.store_port()
-    key = f"raw-{uuid.uuid4().hex[:8]}"
-    specs = [
-        {"rank": rank, "store_port": port, "key": key, "numel": numel,
-         "iterations": args.iterations, "warmup": args.warmup, "timeout": args.timeout}
-        for rank in range(WORLD)
-    ]
-    return harness.run_workers("raw", specs)
-
-
-def run_commd(
-    harness: Harness, args: argparse.Namespace, layers: list[tuple[str, int]], ready: str
-) -> list[dict[str, Any]]:
-    job = f"bench-{ready}-{uuid.uuid4().hex[:8]}"
-    coordinator = harness.daemons[0].address
-    specs = [
-        {"job": job, "rank": rank, "coordinator": coordinator,
-         "socket": harness.daemons[rank].socket, "layers": layers, "planner": args.planner,
-         "ready": ready, "iterations": args.iterations, "warmup": args.warmup,
-         "timeout": args.timeout}
-        for rank in range(WORLD)
-    ]
-    return harness.run_workers("client", specs)
+def run_repeat(
+    harness: Harness, args: argparse.Namespace, layers: list[tuple[str, int]], modes: list[str]
+) -> dict[str, Any]:
+    """Fresh workers for every variant, then iterations interleaved variant by variant."""
+    pairs: dict[str, list[Worker]] = {"raw": harness.raw_pair(sum(s for _, s in layers))}
+    for mode in modes:
+        pairs[mode] = harness.commd_pair(layers, args.planner, mode)
+    deadline = time.monotonic() + args.timeout
+    info = {name: [w.receive(deadline) for w in pair] for name, pair in pairs.items()}
+    times: dict[str, list[list[dict[str, Any]]]] = {name: [[], []] for name in pairs}
+    order = list(pairs)
+    for iteration in range(args.warmup + args.iterations):
+        # Alternate the order every round, so that neither side always runs first.
+        for name in order if iteration % 2 == 0 else order[::-1]:
+            for worker in pairs[name]:
+                worker.send("go")
+            deadline = time.monotonic() + args.timeout
+            for worker in pairs[name]:
+                result = worker.receive(deadline)
+                if iteration >= args.warmup:
+                    times[name][worker.rank].append(result)
+    harness.stop_workers()
+    groups = {mode: info[mode][0].get("groups") for mode in modes}
+    return {"times": times, "groups": groups}
 
 
 # --- statistics and reporting --------------------------------------------------------------------
 
 
-def stats(times: list[float]) -> dict[str, float]:
-    values = np.asarray(times) * 1e3
+def stats(seconds: list[float]) -> dict[str, float]:
+    values = np.asarray(seconds) * 1e3
     p10, p50, p90 = np.percentile(values, [10, 50, 90])
     return {"median_ms": float(p50), "p10_ms": float(p10), "p90_ms": float(p90),
-            "min_ms": float(values.min()), "n": int(values.size)}
+            "n": int(values.size)}
 
 
-def summarise(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
-    """Per repeat: each mode's median over its raw pair; pooled: over all repeats."""
-    pairs = []
-    for run in runs:
-        raw = [stats(r["times"]) for r in run["raw"]]
-        entry: dict[str, Any] = {"repeat": run["repeat"], "raw": raw, "commd": {}}
+def summarise(repeats: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    def series(run: dict[str, Any], name: str, rank: int, key: str = "t") -> list[float]:
+        return [r[key] for r in run["times"][name][rank]]
+
+    per_repeat = []
+    for index, run in enumerate(repeats, 1):
+        raw = [stats(series(run, "raw", rank)) for rank in range(WORLD)]
+        entry: dict[str, Any] = {"repeat": index, "raw": raw, "commd": {}}
         for mode in modes:
-            commd = [stats(r["times"]) for r in run["commd"][mode]]
+            ranks = [stats(series(run, mode, rank)) for rank in range(WORLD)]
             entry["commd"][mode] = {
-                "ranks": commd,
-                "ready_call_ms": stats(run["commd"][mode][0]["ready_s"])["median_ms"],
-                "ratio": [c["median_ms"] / r["median_ms"] for c, r in zip(commd, raw, strict=True)],
-                "groups": run["commd"][mode][0]["groups"],
+                "ranks": ranks,
+                "ratio": [c["median_ms"] / r["median_ms"] for c, r in zip(ranks, raw, strict=True)],
+                "ready_call_ms": stats(series(run, mode, 0, "ready_s"))["median_ms"],
+                "groups": run["groups"][mode],
             }
-        pairs.append(entry)
-    pooled: dict[str, Any] = {}
-    raw_all = [t for run in runs for t in run["raw"][0]["times"]]
-    pooled["raw"] = stats(raw_all)
+        per_repeat.append(entry)
+    pooled: dict[str, Any] = {"raw": stats([t for run in repeats for t in series(run, "raw", 0)])}
     for mode in modes:
-        commd_all = [t for run in runs for t in run["commd"][mode][0]["times"]]
-        pooled[mode] = stats(commd_all)
+        pooled[mode] = stats([t for run in repeats for t in series(run, mode, 0)])
         pooled[mode]["ratio"] = pooled[mode]["median_ms"] / pooled["raw"]["median_ms"]
-    return {"pairs": pairs, "pooled_rank0": pooled}
+    return {"repeats": per_repeat, "pooled_rank0": pooled}
 
 
-def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[str]) -> None:
-    print(f"ResNet-50, 161 tensors, 25,557,032 float32 ({25_557_032 * 4 / 1e6:.1f} MB), "
-          f"2 daemons x 1 rank, op=sum, planner={args.planner}, "
-          f"{args.warmup} warm-up + {args.iterations} measured iterations")
-    print("times in ms: median [p10, p90] on rank 0; rank 1's median after the slash")
-    header = f"{'repeat':>6}  {'what':<16} {'median':>8} {'p10':>8} {'p90':>8} {'rank1':>8}  ratio"
+def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[str],
+                 info: dict[str, Any]) -> None:
+    print(f"ResNet-50: 161 tensors, 25,557,032 float32 (102.2 MB); 2 daemons x 1 rank, op=sum, "
+          f"planner={args.planner}; {args.warmup} warm-up + {args.iterations} measured "
+          f"iterations per repeat, raw and commd interleaved")
+    print("ms on rank 0 (rank 1's median in its own column); ratio = commd median / raw median, "
+          "rank 0 / rank 1")
+    header = (f"{'repeat':>6}  {'what':<17} {'median':>8} {'p10':>8} {'p90':>8} {'rank1':>8}"
+              f"  {'ratio':<13}  notes")
     print(header)
-    print("-" * len(header))
-    for pair in summary["pairs"]:
-        raw = pair["raw"]
-        print(f"{pair['repeat']:>6}  {'raw gloo':<16} {raw[0]['median_ms']:8.2f} "
-              f"{raw[0]['p10_ms']:8.2f} {raw[0]['p90_ms']:8.2f} {raw[1]['median_ms']:8.2f}")
+    print("-" * (len(header) + 24))
+    for entry in summary["repeats"]:
+        raw = entry["raw"]
+        print(f"{entry['repeat']:>6}  {'raw gloo':<17} {raw[0]['median_ms']:8.1f} "
+              f"{raw[0]['p10_ms']:8.1f} {raw[0]['p90_ms']:8.1f} {raw[1]['median_ms']:8.1f}")
         for mode in modes:
-            entry = pair["commd"][mode]
-            c = entry["ranks"]
-            what = f"commd ready={mode}"
-            print(f"{'':>6}  {what:<16} {c[0]['median_ms']:8.2f} {c[0]['p10_ms']:8.2f} "
-                  f"{c[0]['p90_ms']:8.2f} {c[1]['median_ms']:8.2f}  "
-                  f"{entry['ratio'][0]:.3f} / {entry['ratio'][1]:.3f}"
-                  f"   ({entry['groups']} groups, ready() {entry['ready_call_ms']:.2f} ms)")
+            m = entry["commd"][mode]
+            c = m["ranks"]
+            ratio = f"{m['ratio'][0]:.3f} / {m['ratio'][1]:.3f}"
+            print(f"{'':>6}  {'commd ready=' + mode:<17} {c[0]['median_ms']:8.1f} "
+                  f"{c[0]['p10_ms']:8.1f} {c[0]['p90_ms']:8.1f} {c[1]['median_ms']:8.1f}  "
+                  f"{ratio:<13}  {m['groups']} group(s), ready() {m['ready_call_ms']:.2f} ms")
+    print("-" * (len(header) + 24))
     pooled = summary["pooled_rank0"]
-    print("-" * len(header))
     raw = pooled["raw"]
-    print(f"{'all':>6}  {'raw gloo':<16} {raw['median_ms']:8.2f} {raw['p10_ms']:8.2f} "
-          f"{raw['p90_ms']:8.2f}")
+    print(f"{'pooled':>6}  {'raw gloo':<17} {raw['median_ms']:8.1f} {raw['p10_ms']:8.1f} "
+          f"{raw['p90_ms']:8.1f}")
     for mode in modes:
         c = pooled[mode]
-        verdict = "ok" if c["ratio"] <= TARGET_RATIO else f"ABOVE target {TARGET_RATIO:.2f}"
-        print(f"{'':>6}  {'commd ready=' + mode:<16} {c['median_ms']:8.2f} {c['p10_ms']:8.2f} "
-              f"{c['p90_ms']:8.2f}           {c['ratio']:.3f}  {verdict}")
+        verdict = "within" if c["ratio"] <= TARGET_RATIO else "ABOVE"
+        print(f"{'':>6}  {'commd ready=' + mode:<17} {c['median_ms']:8.1f} {c['p10_ms']:8.1f} "
+              f"{c['p90_ms']:8.1f} {'':>8}  {c['ratio']:<13.3f}  {verdict} the "
+              f"{TARGET_RATIO:.2f} target")
+    print(f"machine: {info['cpus']} CPUs, torch {info['torch']}, Python {info['python']}, "
+          f"loopback; load average {info['loadavg_start'][0]:.2f} at start, "
+          f"{info['loadavg_end'][0]:.2f} at end")
 
 
 def machine() -> dict[str, Any]:
@@ -331,29 +417,33 @@ def machine() -> dict[str, Any]:
 
     return {"cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform(),
-            "loadavg_at_start": list(os.getloadavg())}
+            "loadavg_start": list(os.getloadavg())}
 
 
 # --- main ----------------------------------------------------------------------------------------
 
 
-def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description="commd vs raw Gloo: ResNet-50's gradients through two daemons "
+                    "vs one allreduce of the same bytes (see the module docstring)"
+    )
     parser.add_argument("--iterations", type=int, default=30, help="measured iterations")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up iterations, not timed")
-    parser.add_argument("--repeats", type=int, default=3, help="baseline/commd pairs to run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="repeats, each with fresh workers and a fresh job")
     parser.add_argument("--planner", default="syncea",
-                        help="merge planner for the job (syncea, wfbp, optimal, mgwfbp, ...)")
+                        help="merge planner for the job: syncea, wfbp, optimal, mgwfbp, ...")
     parser.add_argument("--ready", choices=("all", "each", "both"), default="all",
-                        help="mark all 161 layers in one ready() call, one call per layer "
-                             "(backward order), or measure both")
+                        help="one ready() call for all 161 layers, one call per layer in "
+                             "backward order, or both")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds before a hang becomes an error")
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--keep-logs", action="store_true", help="keep the daemons' logs")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -367,26 +457,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(*args.worker)
     layers = resnet50_layers()
-    numel = sum(size for _, size in layers)
     modes = ["all", "each"] if args.ready == "both" else [args.ready]
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    harness = Harness(args.timeout, args.keep_logs)
-    runs: list[dict[str, Any]] = []
+    signal.signal(signal.SIGTERM, _interrupt)
     info = machine()
+    harness = Harness(args.timeout, args.keep_logs)
+    repeats: list[dict[str, Any]] = []
     try:
         harness.start_daemons()
-        for repeat in range(args.repeats):
-            run: dict[str, Any] = {"repeat": repeat + 1, "commd": {}}
-            # Alternate the order so that drift on a shared machine does not favour one side.
-            order = ["raw", *modes] if repeat % 2 == 0 else [*modes, "raw"]
-            for what in order:
-                if what == "raw":
-                    run["raw"] = run_raw(harness, args, numel)
-                else:
-                    run["commd"][what] = run_commd(harness, args, layers, what)
-                if not args.json:
-                    print(f"  repeat {repeat + 1}: {what} done", file=sys.stderr, flush=True)
-            runs.append(run)
+        for index in range(args.repeats):
+            repeats.append(run_repeat(harness, args, layers, modes))
+            if not args.json:
+                print(f"  repeat {index + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     except BenchError as exc:
         harness.failed = True
         print(f"overhead benchmark failed: {exc}", file=sys.stderr)
@@ -399,22 +480,20 @@ def main(argv: list[str] | None = None) -> int:
         leaked = harness.close()
         if leaked:
             print(f"removed leaked shared-memory segments: {leaked}", file=sys.stderr)
-    summary = summarise(runs, modes)
-    info["loadavg_at_end"] = list(os.getloadavg())
+    info["loadavg_end"] = list(os.getloadavg())
+    summary = summarise(repeats, modes)
     if args.json:
         print(json.dumps({
-            "benchmark": "overhead", "model": "resnet50", "layers": len(layers), "elements": numel,
-            "dtype": "float32", "op": "sum", "planner": args.planner, "ready": modes,
-            "iterations": args.iterations, "warmup": args.warmup, "target_ratio": TARGET_RATIO,
-            "machine": info, "summary": summary,
-            "raw_times_s": [run["raw"] for run in runs],
-            "commd_times_s": [run["commd"] for run in runs],
+            "benchmark": "overhead", "model": "resnet50", "layers": len(layers),
+            "elements": sum(s for _, s in layers), "dtype": "float32", "op": "sum",
+            "planner": args.planner, "ready": modes, "iterations": args.iterations,
+            "warmup": args.warmup, "target_ratio": TARGET_RATIO, "machine": info,
+            "summary": summary,
+            "times_s": [{name: [[r["t"] for r in rank] for rank in ranks]
+                         for name, ranks in run["times"].items()} for run in repeats],
         }, indent=1))
     else:
-        print_report(summary, args, modes)
-        print(f"machine: {info['cpus']} CPUs, torch {info['torch']}, Python {info['python']}, "
-              f"load average {info['loadavg_at_start'][0]:.2f} at start, "
-              f"{info['loadavg_at_end'][0]:.2f} at end")
+        print_report(summary, args, modes, info)
     return 0
 
 

@@ -87,9 +87,10 @@ class Replanner:
         if ratio_reason:
             reason = ", ".join(x for x in (reason, ratio_reason) if x)
         if reason:
+            previous = (self.groups, self.exchanges, self.ratio)
             self.cost, self.backward_s, self.ratio = cost, backward, ratio
             groups, exchanges, self.planning_cost = self._plan()
-            if (groups, exchanges) != (self.groups, self.exchanges):
+            if (groups, exchanges, ratio) != previous:
                 self.version += 1
                 self.groups, self.exchanges = groups, exchanges
         assert self.cost is not None and self.planning_cost is not None

@@ -78,9 +78,31 @@ def render(status: dict[str, Any]) -> str:
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
     for job in jobs:
-        if job.get("error"):
-            lines.append(f"{job['job']}: {job['error']}")
+        lines.extend(_details(job))
     return "\n".join(lines)
+
+
+def _details(job: dict[str, Any]) -> list[str]:
+    """The network model, the prediction against the measurement, compression, errors."""
+    lines = []
+    name = job["job"]
+    if job.get("alpha_s") is not None:
+        lines.append(
+            f"{name}: network a={job['alpha_s'] * 1e6:.0f} µs b={job['beta_s_per_byte'] * 1e9:.3f}"
+            f" ns/B; exposed comm predicted {job['predicted_comm_s'] * 1e3:.2f} ms, measured "
+            f"{job.get('measured_comm_s', 0.0) * 1e3:.2f} ms; plan v{job.get('plan_version')} "
+            f"({job.get('plan_reason')})"
+        )
+    if job.get("compression") not in (None, "none"):
+        kinds = job.get("exchanges") or []
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
+        lines.append(
+            f"{name}: compression {job['compression']}: ratio {job.get('ratio') or 0:.4g}, "
+            f"groups by exchange: {counts or '-'}, gain {job.get('gain', 1.0):.3f}"
+        )
+    if job.get("error"):
+        lines.append(f"{name}: {job['error']}")
+    return lines
 
 
 def register_command(subparsers: Any) -> None:

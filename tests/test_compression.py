@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from compression_reference import exchange, topk
 
 from commd.compression.topk import CompressionSpec, parse_compression, select_topk
 from commd.compression.topk import topk_count as k_of
-from compression_reference import exchange, topk
+
 from rank_worker import value
 from ranks import JobSpec, collect, start_ranks
 
@@ -66,3 +67,20 @@ def test_exact_against_numpy_through_two_daemons(start_daemon, method: str) -> N
                     np.array(result["iterations"][iteration][index], dtype=np.float32), want,
                     err_msg=f"rank {result['rank']} iteration {iteration} layer {index}",
                 )
+
+
+@pytest.mark.timeout(180)
+def test_topk_auto_changes_ratio_at_the_same_iteration_everywhere(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    layers = [("w", 4096), ("b", 64)]
+    spec = JobSpec("topk-auto", nodes, 1, layers, op="avg", iterations=25, planner="syncea",
+                   compression="topk:auto",
+                   overrides={r: {"skip_results": True} for r in range(2)})
+    results = collect(start_ranks(spec))
+    for result in results:
+        assert "error" not in result, result
+    plans = [result["plans"] for result in results]
+    assert plans[0] == plans[1]
+    # Exploration: 0.1 from iteration 0, 0.01 from 12, 0.001 from 22 — three plan versions.
+    assert plans[0][0] < plans[0][12] < plans[0][22], plans[0]
+    assert len(set(plans[0][:12])) == 1 and len(set(plans[0][12:22])) == 1

@@ -66,7 +66,7 @@ def test_node_profiler_summarises_with_medians() -> None:
     summary = profiler.summary()
     assert summary.ready_offsets_s == [0.002, 0.0]
     assert len(summary.comm) == 3 and summary.exposed_comm_s == pytest.approx(1e-3)
-    assert summary.iteration_s == pytest.approx(0.01) and summary.gain == 1.0
+    assert summary.iteration_s == pytest.approx(0.01) and summary.gains == []  # dense
     assert profiler.summary().comm == []  # the window was consumed
 
 
@@ -116,3 +116,33 @@ def test_replanner_with_one_group_puts_a_change_on_bandwidth() -> None:
     decision = replanner.decide([_report(1, 9, [0.0, 0.0], slower, [2 << 20])])
     assert decision.cost.alpha_s == pytest.approx(lan.alpha_s, rel=1e-6)
     assert decision.cost.beta_s_per_byte == pytest.approx(3e-9, rel=1e-6)
+
+
+def test_compressed_exchange_choice_flips_with_alpha_and_beta() -> None:
+    sizes = [4 * 1_000_000]  # one layer of a million float32
+    high_latency = LinearCost(alpha_s=2 * 7 * 10e-3, beta_s_per_byte=2 * 7 / 8 * 0.08e-9)
+    low_bandwidth = LinearCost(alpha_s=2 * 7 * 1e-6, beta_s_per_byte=2 * 7 / 8 * 8e-9)
+    choices = []
+    for cost in (high_latency, low_bandwidth):
+        replanner = Replanner("syncea", sizes, nodes=8, compression="topk:0.01")
+        probe = [_report(0, -1, [], cost, [1 << 10, 1 << 20, 4 << 20])]
+        choices.append(replanner.decide(probe).exchanges)
+    assert choices == [["allgather"], ["allreduce"]]
+
+
+def test_topk_auto_explores_then_solves_on_the_pareto_front() -> None:
+    sizes = [4 * 1_000_000]
+    cost = LinearCost(alpha_s=2e-3, beta_s_per_byte=1e-9)
+    replanner = Replanner("syncea", sizes, nodes=4, compression="topk:auto")
+    decision = replanner.decide([_report(0, -1, [], cost, [1 << 10, 1 << 20, 4 << 20])])
+    explored = [decision.ratio]
+    for round_ in range(1, 6):
+        ratio = decision.ratio
+        gain = min(1.0, 4 * ratio**0.5)  # a synthetic gain curve
+        report = _report(round_, 10 * round_ - 1, [0.0], cost, [1 << 10, 4 << 20])
+        report.gains.append([ratio, gain])
+        decision = replanner.decide([report])
+        explored.append(decision.ratio)
+    assert explored[:3] == [0.1, 0.01, 0.001]  # exploration first
+    assert 0.001 <= explored[-1] <= 0.1 and explored[-1] not in (0.1, 0.01, 0.001)
+    assert "Pareto" in decision.reason or decision.reason == "no drift"

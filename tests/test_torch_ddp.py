@@ -61,7 +61,8 @@ def run_ranks(
             "job": job, "rank": rank, "world_size": world,
             "local_rank": rank % ranks_per_node, "local_world_size": ranks_per_node,
             "coordinator": nodes[0].address, "socket": nodes[rank // ranks_per_node].socket,
-            "timeout": timeout, "model": (models or {}).get(rank, model), "steps": steps, "accumulate": accumulate,
+            "timeout": timeout, "model": (models or {}).get(rank, model), "steps": steps,
+            "accumulate": accumulate,
             "batch": batch_size, "lr": lr, "init_seed": 0 if same_init else 100 + rank,
             "out": str(out),
         }
