@@ -1,0 +1,131 @@
+"""Measured against predicted: two daemons, ranks replaying a profile, one run per planner.
+
+Each rank sleeps every layer's backward time (scaled by --time-scale) before marking it
+ready, so the daemons see a realistic backward pass without a model. After the first
+re-plan (iteration 12, once the profile and the network were measured), the median iteration
+is compared with what the planner's timeline model predicts for the plan in use, using the
+a and b the daemons fitted (`commd status`).
+
+    python bench/replay.py --profile resnet50 --time-scale 0.05 --iterations 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from commd.launch import LocalDaemon
+from commd.planner import LinearCost, evaluate
+from commd.profiles import resolve_profile
+from commd.status import query
+
+PLANNERS = ("wfbp", "syncea", "fixed-25MB", "mgwfbp", "optimal")
+MEASURE_FROM = 15  # after the first informed plan (iteration 12) has settled
+
+
+def replay_rank(rank: int, socket: str, coordinator: str, job: str, layers: list[tuple[str, int]],
+                backward: list[float], planner: str, iterations: int, out: Any) -> None:
+    from commd_client import Client
+
+    with Client(job=job, rank=rank, world_size=2, local_rank=0, local_world_size=1,
+                coordinator=coordinator, socket=socket, timeout=120) as client:
+        client.register(layers, dtype="float32", op="avg", planner=planner)
+        times = []
+        for _ in range(iterations):
+            began = time.perf_counter()
+            for index in reversed(range(len(layers))):
+                time.sleep(backward[index])
+                client.ready(index)
+            client.wait()
+            times.append(time.perf_counter() - began)
+        out.put((rank, times, client.plan_version))
+
+
+def run_planner(daemons: list[LocalDaemon], planner: str, layers: list[tuple[str, int]],
+                backward: list[float], iterations: int) -> dict[str, Any]:
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    job = f"replay-{planner}"
+    ranks = [context.Process(target=replay_rank, args=(
+        rank, daemons[rank].socket, daemons[0].address, job, layers, backward, planner,
+        iterations, out)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    status = None
+    results = {}
+    try:
+        # Catch the job's model while it runs (the job is gone once the ranks close).
+        while len(results) < 2:
+            if status is None:
+                jobs = query(daemons[0].socket)["jobs"]
+                if jobs and jobs[0]["iteration"] >= MEASURE_FROM:
+                    status = jobs[0]
+            if not out.empty():
+                rank, times, version = out.get()
+                results[rank] = (times, version)
+            else:
+                time.sleep(0.02)
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert status is not None, "the job finished before it could be observed"
+    times = results[0][0][MEASURE_FROM:]
+    sizes = [n * 4 for _, n in layers]
+    cost = LinearCost(status["alpha_s"], status["beta_s_per_byte"])
+    predicted = evaluate(status["groups"], sizes, backward, cost).iteration_s
+    return {"planner": planner, "groups": len(status["groups"]),
+            "measured_s": statistics.median(times), "predicted_s": predicted,
+            "alpha_s": cost.alpha_s, "beta_s_per_byte": cost.beta_s_per_byte}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="resnet50")
+    parser.add_argument("--time-scale", type=float, default=0.05,
+                        help="multiply the profile's backward times (CPU profiles are slow)")
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--planners", default=",".join(PLANNERS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    profile = resolve_profile(args.profile)
+    layers = [(name, size // 4) for name, size in zip(profile.layer_names, profile.sizes_bytes,
+                                                        strict=True)]
+    backward = [t * args.time_scale for t in profile.backward_s]
+    workdir = Path(tempfile.mkdtemp(prefix="commd-replay-"))
+    daemons = [LocalDaemon(workdir, "a"), LocalDaemon(workdir, "b")]
+    rows = []
+    try:
+        for planner in args.planners.split(","):
+            rows.append(run_planner(daemons, planner, layers, backward, args.iterations))
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"profile {profile.name}: {len(layers)} layers, {sum(profile.sizes_bytes) / 1e6:.1f} MB,"
+          f" backward {sum(backward) * 1e3:.1f} ms (x{args.time_scale:g}); 2 daemons x 1 rank,"
+          f" loopback; median of iterations {MEASURE_FROM}..{args.iterations - 1}")
+    print("| planner | groups | measured ms | predicted ms | measured/predicted |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['planner']} | {row['groups']} | {row['measured_s'] * 1e3:.1f} | "
+              f"{row['predicted_s'] * 1e3:.1f} | {row['measured_s'] / row['predicted_s']:.2f} |")
+    fitted = rows[-1]
+    print(f"\nfitted: a = {fitted['alpha_s'] * 1e6:.0f} µs, "
+          f"b = {fitted['beta_s_per_byte'] * 1e9:.3f} ns/B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
