@@ -86,12 +86,11 @@ def _raw_worker(spec: dict[str, Any]) -> None:
 
     timeout = timedelta(seconds=spec["timeout"])
     store = dist.TCPStore("127.0.0.1", spec["store_port"], None, False, timeout=timeout)
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    gloo: Any = dist.ProcessGroupGloo  # private options API, as design.md shows
+    options = gloo._Options()
+    options._devices = [gloo.create_device(hostname="127.0.0.1")]
     options._timeout = timeout
-    group = dist.ProcessGroupGloo(
-        dist.PrefixStore(spec["key"], store), spec["rank"], WORLD, options
-    )
+    group: Any = gloo(dist.PrefixStore(spec["key"], store), spec["rank"], WORLD, options)
     tensor = torch.zeros(spec["numel"], dtype=torch.float32)  # zeros: sums stay finite
     _say({"ready": True})
 
@@ -101,7 +100,6 @@ def _raw_worker(spec: dict[str, Any]) -> None:
         return {"t": time.perf_counter() - start}
 
     _serve_commands(step)
-    del group
 
 
 def _client_worker(spec: dict[str, Any]) -> None:
@@ -197,6 +195,8 @@ class Worker:
                     )
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
+        if not line.startswith(b"{"):  # something else printed to stdout: not ours
+            return self.receive(deadline)
         return dict(json.loads(line))
 
     def describe(self) -> str:
@@ -263,7 +263,8 @@ class Harness:
     def _start_pair(self, kind: str, specs: list[dict[str, Any]]) -> list[Worker]:
         pair = []
         for spec in specs:
-            errors = open(self.workdir / f"{kind}-{spec['rank']}-{uuid.uuid4().hex[:6]}.err", "wb")  # noqa: SIM115
+            path = self.workdir / f"{kind}-{spec['rank']}-{uuid.uuid4().hex[:6]}.err"
+            errors = open(path, "wb")  # noqa: SIM115 - closed below, once the child has it
             worker = Worker(kind, spec, errors)
             errors.close()  # the child holds its own descriptor
             self.workers.append(worker)
@@ -473,7 +474,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overhead benchmark failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        harness.failed = True
         print("interrupted; stopping everything", file=sys.stderr)
         return 130
     finally:

@@ -56,7 +56,7 @@ from .settings import Settings
 
 log = logging.getLogger("commd.server")
 
-_DRAIN_TIMEOUT_S = 5.0
+_LINGER_MS = 1000  # bounds how long stopping waits for the last replies to go out
 
 
 class StartupError(Exception):
@@ -151,9 +151,6 @@ class Daemon:
         log.info("draining %d job(s)", len(self.jobs))
         for job in list(self.jobs.values()):
             job.fail(ErrorCode.SHUTDOWN, "the daemon is shutting down; restart `commd run`")
-        # Give the error replies a moment to leave before the sockets close.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.sleep(0.05), _DRAIN_TIMEOUT_S)
 
     async def cleanup(self) -> None:
         for job in list(self.jobs.values()):
@@ -165,9 +162,10 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._links.close()
+        # The error replies of the drain still leave: closing lingers up to LINGER_MS for them.
         for sock in (self._clients, self._peers):
             if sock is not None:
-                sock.close(linger=0)
+                sock.close(linger=_LINGER_MS)
         self._context.term()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.settings.socket)
