@@ -64,13 +64,14 @@ def main() -> int:
             print(render(status))
             for job in status["jobs"]:
                 print(f"[demo] plan of {job['job']}: {len(job['groups'])} group(s) over "
-                      f"{job['layers']} layers, planner {job['planner']}")
+                      f"{job['layers']} layers, planner {job['planner']}, groups (forward "
+                      f"layer indices) {job['groups']}")
+            print("[demo] `commd status --json` on node 1, jobs only:")
+            print(json.dumps(query(daemons[1].socket)["jobs"], indent=1)[:1500])
             print()
         codes = [p.wait(timeout=600) for p in ranks]
         for printer in printers:
             printer.join()
-        print("\n[demo] final `commd status --json` on node 1:")
-        print(json.dumps(query(daemons[1].socket), indent=2))
         if any(codes):
             print(f"[demo] some ranks failed: exit codes {codes}", file=sys.stderr)
             return 1
@@ -83,7 +84,7 @@ def main() -> int:
                 process.wait()
         for daemon in daemons:
             daemon.stop()
-        left = commd_segments()
+        left = [name for name in commd_segments() if name.startswith("commd-demo")]
         print(f"[demo] stopped {len(daemons)} daemons; shared-memory segments left: {len(left)}")
 
 
