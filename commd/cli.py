@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except BrokenPipeError:  # `commd simulate ... | head`: the reader left, that is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return result
 
 
