@@ -90,12 +90,6 @@ class Coordinator:
             difference = describe_difference(joins[0], join)
             if difference:
                 return f"ranks {joins[0].ranks} and ranks {join.ranks} differ: {difference}"
-            for name in ("planner", "compression"):
-                if getattr(join, name) != getattr(joins[0], name):
-                    return (
-                        f"ranks {joins[0].ranks} use {name} {getattr(joins[0], name)!r} but "
-                        f"ranks {join.ranks} use {getattr(join, name)!r}"
-                    )
         return ""
 
     def _form(self, formation: Formation) -> None:

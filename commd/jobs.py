@@ -339,11 +339,10 @@ class Job:
         self.profiler.add(record)
         self.measured_comm_s = record.exposed_comm_s
         self.recent_iterations_s = [*self.recent_iterations_s[-99:], record.iteration_s]
+        self.gain = record.gain
         if (record.iteration + 1) % REPORT_EVERY:
             return
         summary = self.profiler.summary()
-        if summary.gains:
-            self.gain = summary.gains[-1][1]
         self.pipeline.expect_decision(record.iteration + 1 + DECISION_LAG)
         self.ctx.send_peer(self.coordinator, PeerProfile(
             job=self.id, round=(record.iteration + 1) // REPORT_EVERY,
@@ -496,6 +495,10 @@ def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:
         return f"dtype {a.dtype} vs {b.dtype}"
     if a.op != b.op:
         return f"op {a.op} vs {b.op}"
+    if a.planner != b.planner:
+        return f"planner {a.planner!r} vs {b.planner!r}"
+    if a.compression != b.compression:
+        return f"compression {a.compression!r} vs {b.compression!r}"
     for index, (left, right) in enumerate(zip(a.layers, b.layers, strict=False)):
         if left != right:
             return (

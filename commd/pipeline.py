@@ -22,7 +22,14 @@ from commd_client.layout import backward_offsets, group_span
 from .compression.exchange import GroupExchange
 from .compression.topk import topk_count
 from .engines import Engine, host_ops
-from .profiler import PROBE_ELEMENTS, PROBE_REPEATS, CommSample, IterationRecord
+from .profiler import (
+    ALLGATHER,
+    ALLREDUCE,
+    PROBE_ELEMENTS,
+    PROBE_REPEATS,
+    CommSample,
+    IterationRecord,
+)
 
 # Below this many bytes a memory op is cheaper inline than a hop to a worker thread.
 _INLINE_BYTES = 256 * 1024
@@ -227,18 +234,19 @@ class Pipeline:
             await self._memory(host_ops.sum_into, views[0], views[1:], self.dtype)
         k = topk_count(stop - start, plan.ratio)
         residual = self.residual[start:stop]
-        began = time.perf_counter()
+        key = (self.iteration, index)
+        itemsize = views[0].itemsize
         if plan.exchanges[index] == "allreduce":
             leader = self.iteration % self._exchange.nodes
-            gain = await self._exchange.allreduce(views[0], residual, k, leader)
+            gain, wire = await self._exchange.allreduce(views[0], residual, k, leader)
+            sample = CommSample(key, k * itemsize, wire, ALLREDUCE)
         else:
-            gain = await self._exchange.allgather(views[0], residual, k)
+            gain, wire = await self._exchange.allgather(views[0], residual, k)
+            sample = CommSample(key, k * (itemsize + 4), wire, ALLGATHER)  # values + indices
         self.gains.append(gain)
         self._last_wire_end = time.perf_counter()
-        if self.engine is not None and plan.exchanges[index] == "allreduce":
-            # Its all-reduce of k values is an all-reduce sample like any other (upper bound).
-            samples.append(CommSample((self.iteration, index), 4 * k,
-                                      self._last_wire_end - began))
+        if self.engine is not None:  # the job's own collectives keep a and b up to date
+            samples.append(sample)
         return asyncio.ensure_future(self._finish(None, views))
 
     def _timed(self, wire: asyncio.Future[Any], key: tuple[int, int], nbytes: int,

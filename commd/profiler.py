@@ -9,6 +9,7 @@ when the job starts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,13 +25,28 @@ REPORT_EVERY = 10  # iterations per report round: each node sends its profile, t
 DECISION_LAG = 2  # coordinator answers with the plan for iteration last + 1 + DECISION_LAG
 
 
+ALLREDUCE, ALLGATHER = 0, 1  # kinds of timed collectives in a report
+
+
 @dataclass(frozen=True)
 class CommSample:
     """One collective: the wire time from when it could start to when it finished."""
 
     key: tuple[int, int]  # (iteration, group) — the same collective on every node
-    nbytes: int
+    nbytes: int  # all-reduce: the buffer; allgather: what each node contributes
     seconds: float
+    kind: int = ALLREDUCE
+
+
+def allreduce_terms(kind: int, nbytes: int, nodes: int) -> tuple[float, float]:
+    """A collective's time as ca·a + cb·b, in the job's ring all-reduce model a + b·M.
+
+    With a = 2(N−1)α and b = 2(N−1)/N·β, Table I's allgather α·log N + (N−1)·M·β becomes
+    log N / (2(N−1))·a + N/2·M·b — so allgathers measure the same two numbers.
+    """
+    if kind == ALLGATHER and nodes > 1:
+        return math.log2(nodes) / (2 * (nodes - 1)), nodes / 2 * nbytes
+    return 1.0, float(nbytes)
 
 
 @dataclass
@@ -45,23 +61,30 @@ class IterationRecord:
 
 
 def fit_cost(samples: Sequence[tuple[int, float]]) -> LinearCost | None:
-    """Least-squares a + b·M over (bytes, seconds), both kept ≥ 0; None if underdetermined.
+    """Least-squares a + b·M over all-reduce (bytes, seconds); None if underdetermined."""
+    return fit_terms([(1.0, float(nbytes), seconds) for nbytes, seconds in samples])
 
-    Each size is first reduced to its median, so that many samples of one size do not
-    drown the others and outliers (a scheduler hiccup) are damped.
+
+def fit_terms(rows: Sequence[tuple[float, float, float]]) -> LinearCost | None:
+    """Least-squares a, b over rows (ca, cb, seconds) with seconds ≈ ca·a + cb·b, a, b ≥ 0.
+
+    Each distinct (ca, cb) is first reduced to its median, so that many samples of one size
+    do not drown the others and outliers (a scheduler hiccup) are damped. None when fewer
+    than two distinct rows leave a and b undetermined.
     """
-    by_size: dict[int, list[float]] = {}
-    for nbytes, seconds in samples:
-        by_size.setdefault(int(nbytes), []).append(float(seconds))
-    if len(by_size) < 2:
+    by_terms: dict[tuple[float, float], list[float]] = {}
+    for ca, cb, seconds in rows:
+        by_terms.setdefault((ca, cb), []).append(float(seconds))
+    if len(by_terms) < 2:
         return None
-    sizes = np.array(sorted(by_size), dtype=np.float64)
-    times = np.array([np.median(by_size[int(s)]) for s in sizes])
-    design = np.stack([np.ones_like(sizes), sizes], axis=1)
+    terms = sorted(by_terms)
+    design = np.array(terms, dtype=np.float64)
+    times = np.array([np.median(by_terms[t]) for t in terms])
     (alpha, beta), *_ = np.linalg.lstsq(design, times, rcond=None)
     if beta < 0:  # noise on a flat curve: all latency
-        return LinearCost(alpha_s=float(np.median(times)), beta_s_per_byte=0.0)
+        return LinearCost(alpha_s=float(np.median(times / design[:, 0])), beta_s_per_byte=0.0)
     if alpha < 0:  # noise near the origin: a line through zero
+        sizes = design[:, 1]
         beta = float(np.dot(sizes, times) / np.dot(sizes, sizes))
         return LinearCost(alpha_s=0.0, beta_s_per_byte=beta)
     return LinearCost(alpha_s=float(alpha), beta_s_per_byte=float(beta))
@@ -78,18 +101,21 @@ def backward_from_offsets(offsets: np.ndarray) -> list[float]:
     return [float(x) for x in durations[::-1]]
 
 
-def combine_comm(reports: Sequence[Sequence[Sequence[float]]]) -> list[tuple[int, float]]:
-    """One (bytes, seconds) per collective over all nodes: the shortest of its measurements.
+def combine_comm(reports: Sequence[Sequence[Sequence[float]]]) -> list[tuple[int, int, float]]:
+    """One (kind, bytes, seconds) per collective over all nodes: the shortest measurement.
 
     A node that reached a collective early also measured its wait for the others; the node
-    that arrived last measured the wire alone.
+    that arrived last measured the wire alone. Rows are [iteration, group, bytes, seconds]
+    with an optional fifth element, the kind (all-reduce when absent).
     """
-    best: dict[tuple[int, int], tuple[int, float]] = {}
+    best: dict[tuple[int, int, int], tuple[int, int, float]] = {}
     for report in reports:
-        for iteration, group, nbytes, seconds in report:
-            key = (int(iteration), int(group))
-            if key not in best or seconds < best[key][1]:
-                best[key] = (int(nbytes), float(seconds))
+        for row in report:
+            iteration, group, nbytes, seconds = row[:4]
+            kind = int(row[4]) if len(row) > 4 else ALLREDUCE
+            key = (int(iteration), int(group), kind)
+            if key not in best or seconds < best[key][2]:
+                best[key] = (kind, int(nbytes), float(seconds))
     return list(best.values())
 
 
@@ -133,7 +159,8 @@ class NodeProfiler:
         offsets = np.median(np.stack([r.ready_offsets_s for r in records]), axis=0)
         return RoundSummary(
             ready_offsets_s=[float(x) for x in offsets],
-            comm=[[s.key[0], s.key[1], s.nbytes, s.seconds] for r in records for s in r.comm],
+            comm=[[s.key[0], s.key[1], s.nbytes, s.seconds, s.kind]
+                  for r in records for s in r.comm],
             exposed_comm_s=float(np.mean([r.exposed_comm_s for r in records])),
             iteration_s=float(np.mean([r.iteration_s for r in records])),
             gains=_gains_by_ratio(records),

@@ -28,9 +28,10 @@ from .compression.topk import CompressionSpec, parse_compression
 from .planner import LinearCost, evaluate, plan_with
 from .profiler import (
     DECISION_LAG,
+    allreduce_terms,
     backward_from_offsets,
     combine_comm,
-    fit_cost,
+    fit_terms,
     profile_drift,
     relative_change,
 )
@@ -103,17 +104,18 @@ class Replanner:
 
     # --- the network and the backward profile ------------------------------------------------
 
-    def _fit(self, samples: list[tuple[int, float]]) -> LinearCost | None:
+    def _fit(self, samples: list[tuple[int, int, float]]) -> LinearCost | None:
         """a, b from this round's collectives alone, so a change of network shows at once."""
-        sizes = {n for n, _ in samples}
-        if len(sizes) >= 2:
-            return fit_cost(samples)
-        if len(sizes) == 1 and self.cost is not None:
+        rows = [(*allreduce_terms(kind, nbytes, self.nodes), s) for kind, nbytes, s in samples]
+        terms = {(ca, cb) for ca, cb, _ in rows}
+        if len(terms) >= 2:
+            return fit_terms(rows)
+        if len(terms) == 1 and self.cost is not None:
             # One size (e.g. a single group) cannot separate a from b: keep the known
             # start-up cost and put the change on the bandwidth term.
-            (nbytes,) = sizes
-            seconds = float(np.median([s for _, s in samples]))
-            beta = max(0.0, (seconds - self.cost.alpha_s) / max(nbytes, 1))
+            ((ca, cb),) = terms
+            seconds = float(np.median([s for _, _, s in rows]))
+            beta = max(0.0, (seconds - ca * self.cost.alpha_s) / max(cb, 1.0))
             return LinearCost(alpha_s=self.cost.alpha_s, beta_s_per_byte=beta)
         return None
 

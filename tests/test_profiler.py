@@ -54,7 +54,24 @@ def test_backward_from_offsets_inverts_ready_times() -> None:
 def test_combine_takes_the_shortest_measurement_per_collective() -> None:
     node_a = [[0, 0, 4096, 0.010], [0, 1, 8192, 0.002]]
     node_b = [[0, 0, 4096, 0.001], [0, 1, 8192, 0.003]]  # node b arrived last at group 0
-    assert sorted(combine_comm([node_a, node_b])) == [(4096, 0.001), (8192, 0.002)]
+    assert sorted(combine_comm([node_a, node_b])) == [(0, 4096, 0.001), (0, 8192, 0.002)]
+    gathered = [[0, 1, 8192, 0.004, 1]]  # a fifth element names the kind (1: allgather)
+    assert combine_comm([gathered]) == [(1, 8192, 0.004)]
+
+
+def test_allgathers_measure_the_same_a_and_b() -> None:
+    from commd.profiler import ALLGATHER, ALLREDUCE, allreduce_terms, fit_terms
+
+    nodes, alpha, beta = 4, 50e-6, 0.5e-9  # per message, per byte on a link
+    a, b = 2 * (nodes - 1) * alpha, 2 * (nodes - 1) / nodes * beta
+    rows = []
+    for nbytes in (1 << 12, 1 << 20):
+        ca, cb = allreduce_terms(ALLGATHER, nbytes, nodes)
+        rows.append((ca, cb, 2 * alpha + (nodes - 1) * nbytes * beta))  # Table I allgather
+    fitted = fit_terms(rows)
+    assert fitted is not None
+    assert fitted.alpha_s == pytest.approx(a) and fitted.beta_s_per_byte == pytest.approx(b)
+    assert allreduce_terms(ALLREDUCE, 100, nodes) == (1.0, 100.0)
 
 
 def test_node_profiler_summarises_with_medians() -> None:

@@ -16,6 +16,7 @@ issued from the loop in the same order on every node.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -39,8 +40,9 @@ class GroupExchange:
         return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
 
     async def allreduce(self, target: np.ndarray, residual: np.ndarray, k: int,
-                        leader: int) -> float:
-        """STAR top-k; returns the compression gain ‖E at the sent indices‖² / ‖E‖²."""
+                        leader: int) -> tuple[float, float]:
+        """STAR top-k; returns the compression gain ‖E at the sent indices‖² / ‖E‖² and the
+        seconds its all-reduce of k values took."""
         await self._run(np.add, residual, target, residual)  # residual now holds E
         indices = np.zeros(k, dtype=np.int32)
         if self.node_index == leader:
@@ -48,16 +50,21 @@ class GroupExchange:
         if self.engine is not None:
             await self.engine.broadcast(indices, leader, "int32")
         values, gain = await self._run(_take, residual, indices)
+        began = time.perf_counter()
         if self.engine is not None:
             await self.engine.allreduce(values, self.dtype)
+        wire = time.perf_counter() - began
         await self._run(_scatter, target, indices, values)
-        return gain
+        return gain, wire
 
-    async def allgather(self, target: np.ndarray, residual: np.ndarray, k: int) -> float:
-        """Every node's own top-k pairs, summed; returns this node's compression gain."""
+    async def allgather(self, target: np.ndarray, residual: np.ndarray,
+                        k: int) -> tuple[float, float]:
+        """Every node's own top-k pairs, summed; returns this node's compression gain and the
+        seconds its two allgathers took."""
         await self._run(np.add, residual, target, residual)
         indices = await self._run(select_topk, residual, k)
         values, gain = await self._run(_take, residual, indices)
+        began = time.perf_counter()
         if self.engine is None:
             all_values, all_indices = values, indices
         else:
@@ -65,8 +72,9 @@ class GroupExchange:
             all_indices = np.empty(k * self.nodes, dtype=np.int32)
             await self.engine.allgather(all_values, values, self.dtype)
             await self.engine.allgather(all_indices, indices, "int32")
+        wire = time.perf_counter() - began
         await self._run(accumulate_pairs, target, all_indices, all_values)
-        return gain
+        return gain, wire
 
 
 def _take(error: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, float]:

@@ -64,7 +64,9 @@ def choose_exchange(requested: str, nodes: int, link: LinkCost, elements: int,
         return requested
     if nodes < 2:
         return "allreduce"
-    return exchange_costs(nodes, link.alpha_s, link.beta_s_per_byte, elements, ratio).choice
+    # The engine's all-reduce is a ring: compare with that, not with the tree model.
+    costs = exchange_costs(nodes, link.alpha_s, link.beta_s_per_byte, elements, ratio)
+    return "allgather" if costs.allgather_s <= costs.allreduce_ring_s else "allreduce"
 
 
 def exchange_time(exchange: str, nodes: int, link: LinkCost, elements: int,

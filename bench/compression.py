@@ -1,0 +1,845 @@
+"""Top-k compression on a network test bed: time per iteration and the exchange commd chooses.
+
+N network namespaces (``bench/netbed.py``: one bridge, ``tc … tbf`` on every node's link),
+one ``commd run`` per namespace listening on 10.77.0.<n+1>, and R training ranks per node
+(client processes inside the same namespace). For every rate and every compression mode a
+fresh job all-reduces a model-sized layer list; the ranks time each iteration from their
+first ``ready()`` to the return of ``wait()`` (no forward or backward compute: what is left
+is communication plus compression). While a job runs, node 0's ``commd status --json`` is
+polled; at the end every node's status gives the plan the job finished with: the ratio, the
+exchange of every group, and the network model a, b the coordinator fitted from the job's own
+all-reduces. From a, b the bench derives the per-link α, β exactly as the daemon does
+(a = 2(N−1)α, b = 2(N−1)/N·β) and prints the cost models' predictions per exchange.
+
+    .venv/bin/python bench/compression.py                     # 3 nodes, unshaped/1gbit/100mbit
+    .venv/bin/python bench/compression.py --nodes 2 --json
+    .venv/bin/python bench/compression.py --rates none,200mbit --modes topk:0.01:auto
+
+Why 3 nodes by default: with N = 2, Table I gives allgather = α + 2Mβ and the AR-compatible
+exchange = 3α + 2Mβ (broadcast α + Mβ, ring all-reduce 2α + Mβ), so allgather is never
+dearer and auto can never flip. From N = 3 on, the allgather moves (N−1)·2M bytes against
+the AR-compatible exchange's (log N + 2(N−1)/N)·M, and the AR-compatible exchange wins
+once M·β is large enough against α: at low bandwidth.
+
+Needs root (network namespaces); prints a message and exits 0 otherwise. Everything it starts
+(daemons, ranks, namespaces, /dev/shm/commd-<its jobs>-*) is removed on exit, also on an
+error or Ctrl-C. This is a benchmark, not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from netbed import NetBed, NetBedUnavailable, available  # noqa: E402
+
+MODES = ("none", "topk:0.01:allgather", "topk:0.01:allreduce", "topk:0.01:auto", "topk:auto")
+RATES = ("none", "1gbit", "100mbit")  # "none": the veth unshaped
+READY_TIMEOUT_S = 60.0
+
+
+# --- the layers ----------------------------------------------------------------------------------
+
+
+def model_layers(model: str, scale: int) -> list[tuple[str, int]]:
+    """ResNet-50's 161 tensors, each divided by ``scale`` (1: the real 25.6M parameters)."""
+    if model != "resnet50":
+        raise ValueError(f"unknown model {model!r}; only resnet50 is built in")
+    from commd.models.sizes import resnet50_layer_sizes
+
+    return [(name, max(1, int(size) // scale)) for name, size in resnet50_layer_sizes()]
+
+
+# --- a training rank: this file re-run with --worker, inside a namespace -------------------------
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def worker_main(spec: dict[str, Any]) -> int:
+    """Register, run warm-up + measured iterations, report, then hold the job until EOF."""
+    from commd_client import Client, CommdError
+
+    layers = [(name, size) for name, size in spec["layers"]]
+    backward = list(range(len(layers)))[::-1]
+    try:
+        with Client(
+            job=spec["job"],
+            rank=spec["rank"],
+            world_size=spec["world_size"],
+            local_rank=spec["local_rank"],
+            local_world_size=spec["local_world_size"],
+            coordinator=spec["coordinator"],
+            socket=spec["socket"],
+            timeout=spec["timeout"],
+        ) as client:
+            client.register(
+                layers,
+                dtype="float32",
+                op="avg",
+                planner=spec["planner"],
+                compression=spec["compression"],
+            )
+            # Gradient-like data: normal values, each layer scaled by 1/sqrt(its size), a few
+            # arrays cycled so that iterations differ; generated before the clock starts.
+            rng = np.random.default_rng(1000 + spec["rank"])
+            scale = np.concatenate(
+                [np.full(size, 1 / np.sqrt(size), dtype=np.float32) for _, size in layers]
+            )
+            pool = [
+                rng.standard_normal(client.flat.size, dtype=np.float32) * scale for _ in range(3)
+            ]
+            _say({"registered": True, "groups": len(client.groups), "nodes": client.nodes})
+            times, plans = [], []
+            for iteration in range(spec["iterations"]):
+                client.flat[:] = pool[iteration % len(pool)]
+                start = time.perf_counter()
+                client.ready(backward)
+                client.wait()
+                times.append(time.perf_counter() - start)
+                plans.append(client.plan_version)
+            _say({"times": times, "plans": plans})
+            sys.stdin.read()  # hold the job open while the bench reads every node's status
+    except CommdError as exc:
+        _say({"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    return 0
+
+
+# --- daemons inside namespaces -------------------------------------------------------------------
+
+
+class NetnsDaemon:
+    """`commd run` inside one namespace (like commd.launch.LocalDaemon, behind `ip netns exec`).
+
+    Readiness is the daemon's sd_notify READY=1 on a datagram socket: a filesystem unix
+    socket, so it reaches us across the network namespace.
+    """
+
+    def __init__(self, bed: NetBed, node: int, workdir: Path, timeout_s: float) -> None:
+        self.node = node
+        self.host = bed.address(node)
+        self.socket = str(workdir / f"d{node}.sock")
+        self.log_path = workdir / f"d{node}.log"
+        self._notify_path = str(workdir / f"d{node}.notify")
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(self._notify_path)
+        self._notify.settimeout(READY_TIMEOUT_S)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {
+            **os.environ,
+            "NOTIFY_SOCKET": self._notify_path,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        self.process = bed.popen(
+            node,
+            [
+                sys.executable,
+                "-m",
+                "commd.cli",
+                "run",
+                "--socket",
+                self.socket,
+                "--listen",
+                f"{self.host}:0",
+                "--backend",
+                "gloo",
+                "--timeout-s",
+                str(timeout_s),
+                "--log-level",
+                "info",
+            ],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        self.port = self._await_ready()
+
+    def _await_ready(self) -> int:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                datagram = self._notify.recv(4096).decode()
+            except TimeoutError:
+                break
+            if "READY=1" in datagram.split("\n"):
+                match = re.search(r"peers on [^\s]+:(\d+)", datagram)
+                if match:
+                    return int(match.group(1))
+                raise RuntimeError(f"daemon {self.node} sent no port: {datagram!r}")
+            if self.process.poll() is not None:
+                break
+        raise RuntimeError(f"daemon {self.node} did not become ready:\n{self.log()[-3000:]}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        self._notify.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._notify_path)
+        return self.process.returncode
+
+
+class Rank:
+    """One worker process inside its node's namespace, answering with JSON lines."""
+
+    def __init__(self, bed: NetBed, node: int, spec: dict[str, Any], errors: IO[bytes]) -> None:
+        self.rank = spec["rank"]
+        self._errors_path = errors.name
+        self._buffer = b""
+        self.process = bed.popen(
+            node,
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            cwd=ROOT,
+            bufsize=0,
+        )
+
+    def receive(self, deadline: float, idle: Any = None) -> dict[str, Any]:
+        """The next JSON line; ``idle()`` is called about four times a second while waiting."""
+        assert self.process.stdout is not None
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"rank {self.rank} did not answer in time:\n{self.errors()}")
+            readable, _, _ = select.select([self.process.stdout], [], [], min(left, 0.25))
+            if not readable:
+                if idle is not None:
+                    idle()
+                continue
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                self.process.wait()
+                raise RuntimeError(
+                    f"rank {self.rank} exited with {self.process.returncode}:\n{self.errors()}"
+                )
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        if not line.startswith(b"{"):
+            return self.receive(deadline, idle)
+        message = dict(json.loads(line))
+        if "error" in message:
+            raise RuntimeError(f"rank {self.rank}: {message['error']}")
+        return message
+
+    def errors(self) -> str:
+        with contextlib.suppress(OSError):
+            return Path(self._errors_path).read_text(errors="replace")[-3000:]
+        return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.process.stdin is not None
+                self.process.stdin.close()  # EOF: the worker says goodbye and exits
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+# --- one job -------------------------------------------------------------------------------------
+
+
+def snapshot(job: dict[str, Any]) -> dict[str, Any]:
+    """What of a job's status the report needs."""
+    kinds = job.get("exchanges") or []
+    return {
+        "iteration": job.get("iteration"),
+        "plan_version": job.get("plan_version"),
+        "plan_reason": job.get("plan_reason"),
+        "ratio": job.get("ratio"),
+        "exchanges": kinds,
+        "exchange_counts": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "groups": job.get("groups") or [],
+        "alpha_s": job.get("alpha_s"),
+        "beta_s_per_byte": job.get("beta_s_per_byte"),
+        "gain": job.get("gain"),
+        "state": job.get("state"),
+    }
+
+
+def job_status(daemon: NetnsDaemon, job: str) -> dict[str, Any] | None:
+    from commd.status import NoDaemon, query
+
+    try:
+        status = query(daemon.socket, timeout_s=5.0)
+    except NoDaemon:
+        return None
+    return next((j for j in status.get("jobs", []) if j["job"] == job), None)
+
+
+def run_job(
+    bed: NetBed,
+    daemons: list[NetnsDaemon],
+    workdir: Path,
+    job: str,
+    mode: str,
+    layers: list[tuple[str, int]],
+    args: argparse.Namespace,
+    iterations: int,
+    watch: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One job from registration to its final status on every node.
+
+    ``watch`` sees every status snapshot of node 0 (about four a second) and returns what to
+    add to the history entries (e.g. the rate in force); it may change the bed's rate.
+    """
+    world = len(daemons) * args.ranks_per_node
+    ranks: list[Rank] = []
+    history: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+
+    def poll() -> None:
+        nonlocal extra
+        current = job_status(daemons[0], job)
+        if current is None:
+            return
+        state = snapshot(current)
+        if watch is not None:
+            extra = watch(state)
+        key = (state["plan_version"], state["ratio"], state["exchanges"], extra)
+        if not history or key != history[-1]["_key"]:
+            history.append(
+                {
+                    "_key": key,
+                    **extra,
+                    **{
+                        k: state[k]
+                        for k in (
+                            "iteration",
+                            "plan_version",
+                            "ratio",
+                            "exchange_counts",
+                            "alpha_s",
+                            "beta_s_per_byte",
+                            "plan_reason",
+                        )
+                    },
+                }
+            )
+
+    try:
+        for rank in range(world):
+            node = rank // args.ranks_per_node
+            spec = {
+                "job": job,
+                "rank": rank,
+                "world_size": world,
+                "local_rank": rank % args.ranks_per_node,
+                "local_world_size": args.ranks_per_node,
+                "coordinator": daemons[0].address,
+                "socket": daemons[node].socket,
+                "timeout": args.timeout,
+                "layers": layers,
+                "planner": args.planner,
+                "compression": mode,
+                "iterations": iterations,
+            }
+            with open(workdir / f"{job}-r{rank}.err", "wb") as errors:
+                ranks.append(Rank(bed, node, spec, errors))
+        deadline = time.monotonic() + args.timeout
+        for rank_process in ranks:
+            rank_process.receive(deadline)
+        deadline = time.monotonic() + args.timeout
+        results = [r.receive(deadline, poll if r.rank == 0 else None) for r in ranks]
+        finals = [job_status(d, job) for d in daemons]  # the ranks still hold the job open
+    finally:
+        for rank_process in ranks:
+            rank_process.stop()
+    for entry in history:
+        del entry["_key"]
+    return {
+        "results": results,
+        "finals": [snapshot(f) if f else None for f in finals],
+        "history": history,
+    }
+
+
+# --- predictions from the cost models ------------------------------------------------------------
+
+
+def predictions(final: dict[str, Any], layers: list[tuple[str, int]], nodes: int) -> dict[str, Any]:
+    """The link α, β the daemon derives from a, b, and each exchange's predicted seconds summed
+    over the job's final groups (at its final ratio; 0.01 for a dense job)."""
+    from commd.compression.costs import exchange_costs
+    from commd.compression.planning import link_cost
+    from commd.planner import LinearCost
+
+    if final.get("alpha_s") is None or nodes < 2:
+        return {}
+    cost = LinearCost(alpha_s=final["alpha_s"], beta_s_per_byte=final["beta_s_per_byte"])
+    link = link_cost(cost, nodes)
+    ratio = final.get("ratio") or 0.01
+    sizes = [size for _, size in layers]
+    totals = {"dense_s": 0.0, "allgather_s": 0.0, "allreduce_s": 0.0}
+    choices = []
+    for group in final["groups"]:
+        elements = max(1, sum(sizes[i] for i in group))
+        costs = exchange_costs(nodes, link.alpha_s, link.beta_s_per_byte, elements, ratio)
+        totals["dense_s"] += cost.alpha_s + cost.beta_s_per_byte * 4 * elements
+        totals["allgather_s"] += costs.allgather_s
+        totals["allreduce_s"] += costs.allreduce_ring_s  # STAR uses the engine's all-reduce
+        choices.append(costs.choice)
+    return {
+        "link_alpha_s": link.alpha_s,
+        "link_beta_s_per_byte": link.beta_s_per_byte,
+        "break_even_bytes": _break_even(nodes, link.alpha_s, link.beta_s_per_byte),
+        "at_ratio": ratio,
+        **totals,
+        "model_choice_counts": {k: choices.count(k) for k in sorted(set(choices))},
+    }
+
+
+def _break_even(nodes: int, alpha: float, beta: float) -> float | None:
+    """M (value bytes per node) above which the AR-compatible (ring) exchange is cheaper."""
+    log_n = np.log2(nodes)
+    slope = 2 * (nodes - 1) - log_n - 2 * (nodes - 1) / nodes  # allgather minus AR, per Mβ
+    if slope <= 0 or beta <= 0:
+        return None  # N = 2: never
+    return float(2 * (nodes - 1) * alpha / (slope * beta))
+
+
+# --- the whole bench -----------------------------------------------------------------------------
+
+
+class Harness:
+    def __init__(self, bed: NetBed, args: argparse.Namespace) -> None:
+        self.bed = bed
+        self.args = args
+        self.workdir = Path(tempfile.mkdtemp(prefix="commd-bench-comp-"))
+        self.tag = uuid.uuid4().hex[:6]
+        self.jobs: list[str] = []
+        self.daemons: list[NetnsDaemon] = []
+        self.failed = False
+
+    def start(self) -> None:
+        for node in range(self.bed.nodes):
+            self.daemons.append(NetnsDaemon(self.bed, node, self.workdir, self.args.timeout))
+
+    def job_name(self) -> str:
+        name = f"bc{self.tag}-{len(self.jobs)}"
+        self.jobs.append(name)
+        return name
+
+    def close(self) -> list[str]:
+        for daemon in reversed(self.daemons):
+            code = daemon.stop()
+            if code not in (0, -signal.SIGTERM):
+                self.failed = True
+                print(
+                    f"daemon {daemon.node} exited with {code}:\n{daemon.log()[-2000:]}",
+                    file=sys.stderr,
+                )
+        self.daemons.clear()
+        ours = tuple(f"commd-{job}-" for job in self.jobs)
+        leaked = sorted(n for n in os.listdir("/dev/shm") if n.startswith(ours))
+        for name in leaked:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        if self.args.keep_logs or self.failed:
+            print(f"logs kept in {self.workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return leaked
+
+
+def iterations_for(mode: str, args: argparse.Namespace) -> tuple[int, int]:
+    """(warm-up, measured): warm-up until the plan measured on the job itself is in force."""
+    if mode == "topk:auto" or mode.startswith("topk:auto:"):
+        return args.warmup_auto, args.iterations
+    if mode == "none":
+        return args.warmup, args.dense_iterations
+    return args.warmup, args.iterations
+
+
+def measure(harness: Harness, layers: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    args = harness.args
+    rows = []
+    for rate in args.rates:
+        harness.bed.set_rate(_tc_rate(rate))
+        for mode in args.modes:
+            warmup, measured = iterations_for(mode, args)
+            job = harness.job_name()
+            began = time.monotonic()
+            outcome = run_job(
+                harness.bed,
+                harness.daemons,
+                harness.workdir,
+                job,
+                mode,
+                layers,
+                args,
+                warmup + measured,
+            )
+            times = [r["times"][warmup:] for r in outcome["results"]]
+            per_iteration = np.max(np.array(times), axis=0) * 1e3  # the slowest rank
+            final = outcome["finals"][0] or {}
+            agree = all(
+                f is not None
+                and (f["exchanges"], f["ratio"]) == (final.get("exchanges"), final.get("ratio"))
+                for f in outcome["finals"]
+            )
+            row = {
+                "rate": rate,
+                "mode": mode,
+                "job": job,
+                "median_ms": float(np.median(per_iteration)),
+                "p10_ms": float(np.percentile(per_iteration, 10)),
+                "p90_ms": float(np.percentile(per_iteration, 90)),
+                "warmup": warmup,
+                "measured": measured,
+                "wall_s": time.monotonic() - began,
+                "final": {k: v for k, v in final.items() if k != "groups"},
+                "groups": len(final.get("groups") or []),
+                "nodes_agree": agree,
+                "history": outcome["history"],
+                "prediction": predictions(final, layers, harness.bed.nodes) if final else {},
+            }
+            rows.append(row)
+            if not args.json:
+                print(_progress(row), flush=True)
+    return rows
+
+
+def measure_live(
+    harness: Harness, layers: list[tuple[str, int]], rates: list[str]
+) -> dict[str, Any]:
+    """One long job while the rate changes under it every ``--live-iterations`` iterations:
+    does the coordinator's per-round decision follow the network?"""
+    args = harness.args
+    per = args.live_iterations
+    bed = harness.bed
+    switches = [0]  # iteration (as node 0 last reported it) at which each phase began
+    ends: list[dict[str, Any]] = []  # node 0's last snapshot of each phase
+
+    def watch(state: dict[str, Any]) -> dict[str, Any]:
+        phase = len(switches) - 1
+        if phase + 1 < len(rates) and (state["iteration"] or 0) >= (phase + 1) * per:
+            ends.append(state)
+            bed.set_rate(_tc_rate(rates[phase + 1]))
+            switches.append(state["iteration"])
+            phase += 1
+        return {"rate": rates[phase]}
+
+    bed.set_rate(_tc_rate(rates[0]))
+    job = harness.job_name()
+    began = time.monotonic()
+    outcome = run_job(
+        bed,
+        harness.daemons,
+        harness.workdir,
+        job,
+        args.live_mode,
+        layers,
+        args,
+        per * len(rates),
+        watch,
+    )
+    ends.append(outcome["finals"][0] or {})
+    per_iteration = np.max(np.array([r["times"] for r in outcome["results"]]), axis=0) * 1e3
+    phases = []
+    for index, rate in enumerate(rates):
+        first = switches[index] + args.warmup  # the rate's first report round, then its plan
+        last = switches[index + 1] if index + 1 < len(switches) else len(per_iteration)
+        window = per_iteration[first:last] if last > first else per_iteration[-5:]
+        end = ends[index] if index < len(ends) else {}
+        phases.append(
+            {
+                "rate": rate,
+                "from_iteration": switches[index],
+                "measured": int(window.size),
+                "median_ms": float(np.median(window)),
+                "final": {k: v for k, v in end.items() if k != "groups"},
+                "prediction": predictions(end, layers, bed.nodes) if end else {},
+            }
+        )
+    return {
+        "mode": args.live_mode,
+        "job": job,
+        "iterations_per_rate": per,
+        "wall_s": time.monotonic() - began,
+        "phases": phases,
+        "history": outcome["history"],
+    }
+
+
+def _tc_rate(rate: str) -> str | None:
+    return None if rate == "none" else rate
+
+
+def _progress(row: dict[str, Any]) -> str:
+    return (
+        f"  {row['rate']:>8} {row['mode']:<20} {row['median_ms']:9.1f} ms  "
+        f"{_choice(row):<28} ({row['wall_s']:.0f} s)"
+    )
+
+
+def _choice(row: dict[str, Any]) -> str:
+    final = row["final"]
+    if row["mode"] == "none":
+        return "dense"
+    counts = final.get("exchange_counts") or {}
+    parts = ", ".join(f"{n} {k}" for k, n in counts.items())
+    return f"r={final.get('ratio') or 0:.3g}: {parts}"
+
+
+def _num(value: float | None, factor: float, digits: int) -> str:
+    return "-" if value is None else f"{value * factor:.{digits}f}"
+
+
+def _network(final: dict[str, Any], pred: dict[str, Any]) -> str:
+    """a, b (the job's fitted all-reduce), α, β (per link) and the predicted exchange times."""
+    return (
+        f"{_num(final.get('alpha_s'), 1e6, 0)} | {_num(final.get('beta_s_per_byte'), 1e9, 3)}"
+        f" | {_num(pred.get('link_alpha_s'), 1e6, 0)} "
+        f"| {_num(pred.get('link_beta_s_per_byte'), 1e9, 3)} "
+        f"| {_num(pred.get('allgather_s'), 1e3, 2)} | {_num(pred.get('allreduce_s'), 1e3, 2)}"
+    )
+
+
+def _exchanges(final: dict[str, Any]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in (final.get("exchange_counts") or {}).items()) or "-"
+
+
+NETWORK_HEADER = (
+    "a µs | b ns/B | α µs | β ns/B | pred. allgather ms | pred. allreduce ms",
+    "---:|---:|---:|---:|---:|---:",
+)
+
+
+def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"{meta['model']}: {meta['layers']} tensors, {meta['elements']:,} float32 "
+        f"({meta['elements'] * 4 / 1e6:.1f} MB); {meta['nodes']} nodes × "
+        f"{meta['ranks_per_node']} rank(s), Gloo over veth + tbf, planner {meta['planner']}, "
+        f"all layers ready at once; median of the slowest rank's iteration time after the "
+        f"warm-up; load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after",
+    ]
+    if rows:
+        lines += [
+            "",
+            "| rate | compression | median ms | p10–p90 ms | groups | ratio | exchanges chosen | "
+            + NETWORK_HEADER[0]
+            + " |",
+            "|---|---|---:|---:|---:|---:|---|" + NETWORK_HEADER[1] + "|",
+        ]
+    for row in rows:
+        final = row["final"]
+        ratio = "-" if row["mode"] == "none" else f"{final.get('ratio') or 0:.3g}"
+        chosen = "dense" if row["mode"] == "none" else _exchanges(final)
+        if not row["nodes_agree"]:
+            chosen += " (nodes DISAGREE)"
+        lines.append(
+            f"| {row['rate']} | {row['mode']} | {row['median_ms']:.1f} | "
+            f"{row['p10_ms']:.1f}–{row['p90_ms']:.1f} | {row['groups']} | {ratio} | {chosen} | "
+            f"{_network(final, row['prediction'])} |"
+        )
+    auto = [row for row in rows if "auto" in row["mode"]]
+    if auto:
+        lines += [
+            "",
+            "Plan changes on node 0 during the auto jobs (iteration: plan version, "
+            "ratio, exchanges (reason)):",
+        ]
+    for row in auto:
+        lines.append(f"- {row['rate']} {row['mode']}: {_history(row['history'])}")
+    for live in lives:
+        lines += [
+            "",
+            f"Live: one {live['mode']} job, the rate changed every {live['iterations_per_rate']}"
+            " iterations (median over each phase after its first report round; exchanges and "
+            "network at the end of the phase)",
+            "",
+            "| rate | from iteration | median ms | ratio | exchanges | " + NETWORK_HEADER[0] + " |",
+            "|---|---:|---:|---:|---|" + NETWORK_HEADER[1] + "|",
+        ]
+        for phase in live["phases"]:
+            final = phase["final"]
+            lines.append(
+                f"| {phase['rate']} | {phase['from_iteration']} | {phase['median_ms']:.1f} | "
+                f"{final.get('ratio') or 0:.3g} | {_exchanges(final)} | "
+                f"{_network(final, phase['prediction'])} |"
+            )
+        lines += ["", f"- plan changes: {_history(live['history'])}"]
+    return "\n".join(lines)
+
+
+def _history(history: list[dict[str, Any]]) -> str:
+    return (
+        "; ".join(
+            f"it {h['iteration']}: v{h['plan_version']} r={h['ratio'] or 0:.3g} "
+            + ",".join(f"{n} {k}" for k, n in (h["exchange_counts"] or {}).items())
+            + (f" @{h['rate']}" if "rate" in h else "")
+            + f" ({h['plan_reason']})"
+            for h in history
+        )
+        or "-"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="commd top-k compression on a network-namespace test bed",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument(
+        "--rates",
+        default=",".join(RATES),
+        help="comma-separated tbf rates (tc syntax); none: unshaped",
+    )
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated compressions")
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=10,
+        help="divide every layer's size by this (1: the full model)",
+    )
+    parser.add_argument("--planner", default="optimal")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=12,
+        help="warm-up iterations (the plan from the job's first report round "
+        "is in force from iteration 12)",
+    )
+    parser.add_argument(
+        "--warmup-auto",
+        type=int,
+        default=32,
+        help="warm-up for topk:auto (exploration ends, the Pareto pick is in "
+        "force from iteration 32)",
+    )
+    parser.add_argument("--iterations", type=int, default=20, help="measured iterations")
+    parser.add_argument(
+        "--dense-iterations", type=int, default=10, help="measured iterations without compression"
+    )
+    parser.add_argument(
+        "--live",
+        default="none,100mbit;100mbit,none",
+        help="rates for long jobs whose rate changes under them: comma-"
+        "separated rates of one job, jobs separated by ';' ('': none)",
+    )
+    parser.add_argument("--live-mode", default="topk:0.01:auto", help="compression of the live job")
+    parser.add_argument(
+        "--live-iterations", type=int, default=40, help="iterations of the live job per rate"
+    )
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(json.loads(args.worker))
+    args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.live = [
+        [r.strip() for r in scenario.split(",") if r.strip()]
+        for scenario in args.live.split(";")
+        if scenario.strip()
+    ]
+    from commd.compression.topk import parse_compression
+
+    for mode in [*args.modes, args.live_mode]:
+        parse_compression(mode)  # a typo fails here, not after the namespaces are up
+    ok, why = available()
+    if not ok:
+        print(f"skipped: {why}")
+        return 0
+    layers = model_layers(args.model, args.scale)
+    meta = {
+        "model": args.model + (f"/{args.scale}" if args.scale != 1 else ""),
+        "layers": len(layers),
+        "elements": sum(s for _, s in layers),
+        "nodes": args.nodes,
+        "ranks_per_node": args.ranks_per_node,
+        "planner": args.planner,
+        "load_before": os.getloadavg()[0],
+        "command": shlex.join(["bench/compression.py", *(argv or sys.argv[1:])]),
+    }
+    began = time.monotonic()
+    try:
+        with NetBed(nodes=args.nodes, rate=None) as bed:
+            harness = Harness(bed, args)
+            try:
+                harness.start()
+                if not args.json:
+                    print(
+                        f"{args.nodes} daemons up: "
+                        + ", ".join(d.address for d in harness.daemons),
+                        flush=True,
+                    )
+                rows = measure(harness, layers)
+                live = [measure_live(harness, layers, rates) for rates in args.live]
+            finally:
+                leaked = harness.close()
+    except NetBedUnavailable as exc:
+        print(f"skipped: {exc}")
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    meta["wall_s"] = time.monotonic() - began
+    meta["load_after"] = os.getloadavg()[0]
+    meta["leaked_segments"] = leaked
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": rows, "live": live}, indent=2))
+    else:
+        print()
+        print(render(rows, live, meta))
+        print(
+            f"\n{meta['wall_s']:.0f} s in all"
+            + (f"; removed leaked segments {leaked}" if leaked else "")
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
