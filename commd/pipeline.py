@@ -128,6 +128,9 @@ class Pipeline:
     def mark(self, local_index: int, layers: Sequence[int]) -> None:
         """Record ready layers of one local rank; raise ReadyError and change nothing if bad."""
         row = self._marked[local_index]
+        if len(layers) == 1:  # the common case: one ready per layer, no numpy fancy indexing
+            self._mark_one(row, layers[0])
+            return
         for layer in layers:
             if not 0 <= layer < row.size:
                 raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
@@ -143,6 +146,20 @@ class Pipeline:
         complete = [x for x in chosen if self._count[x] == len(self.buffers)]
         if complete:
             self._ready_at[complete] = time.perf_counter()
+            self._changed.set()
+
+    def _mark_one(self, row: np.ndarray, layer: int) -> None:
+        if not 0 <= layer < row.size:
+            raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
+        if row[layer]:
+            raise ReadyError(
+                f"ready twice in iteration {self.iteration} for layer(s) [{layer}]; "
+                "wait for the iteration to finish before marking again"
+            )
+        row[layer] = True
+        self._count[layer] += 1
+        if self._count[layer] == len(self.buffers):
+            self._ready_at[layer] = time.perf_counter()
             self._changed.set()
 
     @property

@@ -56,6 +56,7 @@ from .settings import Settings
 
 log = logging.getLogger("commd.server")
 
+_DRAIN_BATCH = 1024  # messages handled per wake-up before yielding to the loop
 _LINGER_MS = 1000  # bounds how long stopping waits for the last replies to go out
 
 
@@ -185,29 +186,42 @@ class Daemon:
 
     async def _serve_clients(self) -> None:
         assert self._clients is not None
+        # A blocking view of the same socket: after each awaited receive, what is already
+        # queued (161 ready notifications of a backward pass) is handled without an await
+        # per message (~60 µs each).
+        queued: zmq.Socket[bytes] = zmq.Socket.shadow(self._clients.underlying)
         while True:
-            frames = await self._clients.recv_multipart(copy=True)
-            if len(frames) != 2:
-                if frames:
-                    self._send_client(frames[0], _error(ErrorCode.MALFORMED,
-                                                        "expected exactly one frame per message"))
-                continue
-            identity, frame = frames
-            try:
-                message = client_codec.decode(frame)
-            except ProtocolViolation as exc:
-                self._send_client(identity, _error(exc.code, str(exc), exc.ref))
-                continue
-            try:
-                self._dispatch(identity, message)
-            except JobError as exc:
-                self._send_client(identity, Error(code=exc.code, message=str(exc),
-                                                  ref=_tag(message)))
-            except Exception:
-                log.exception("internal error handling %s", _tag(message))
-                self._send_client(identity, _error(ErrorCode.INVALID,
-                                                   "internal error; see the daemon's log",
-                                                   _tag(message)))
+            self._on_client_frames(await self._clients.recv_multipart(copy=True))
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    frames = queued.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_client_frames(frames)
+
+    def _on_client_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if frames:
+                self._send_client(
+                    frames[0], _error(ErrorCode.MALFORMED, "expected exactly one frame per message")
+                )
+            return
+        identity, frame = frames
+        try:
+            message = client_codec.decode(frame)
+        except ProtocolViolation as exc:
+            self._send_client(identity, _error(exc.code, str(exc), exc.ref))
+            return
+        try:
+            self._dispatch(identity, message)
+        except JobError as exc:
+            self._send_client(identity, Error(code=exc.code, message=str(exc), ref=_tag(message)))
+        except Exception:
+            log.exception("internal error handling %s", _tag(message))
+            self._send_client(
+                identity, _error(ErrorCode.INVALID, "internal error; see the daemon's log",
+                                 _tag(message))
+            )
 
     def _dispatch(self, identity: bytes, message: ClientMessage) -> None:
         if isinstance(message, StatusRequest):
