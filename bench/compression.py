@@ -32,12 +32,10 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import select
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +47,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from commd.launch import LocalDaemon
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -56,7 +56,6 @@ from netbed import NetBed, NetBedUnavailable, available  # noqa: E402
 
 MODES = ("none", "topk:0.01:allgather", "topk:0.01:allreduce", "topk:0.01:auto", "topk:auto")
 RATES = ("none", "1gbit", "100mbit")  # "none": the veth unshaped
-READY_TIMEOUT_S = 60.0
 
 
 # --- the layers ----------------------------------------------------------------------------------
@@ -130,91 +129,6 @@ def worker_main(spec: dict[str, Any]) -> int:
 
 
 # --- daemons inside namespaces -------------------------------------------------------------------
-
-
-class NetnsDaemon:
-    """`commd run` inside one namespace (like commd.launch.LocalDaemon, behind `ip netns exec`).
-
-    Readiness is the daemon's sd_notify READY=1 on a datagram socket: a filesystem unix
-    socket, so it reaches us across the network namespace.
-    """
-
-    def __init__(self, bed: NetBed, node: int, workdir: Path, timeout_s: float) -> None:
-        self.node = node
-        self.host = bed.address(node)
-        self.socket = str(workdir / f"d{node}.sock")
-        self.log_path = workdir / f"d{node}.log"
-        self._notify_path = str(workdir / f"d{node}.notify")
-        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._notify.bind(self._notify_path)
-        self._notify.settimeout(READY_TIMEOUT_S)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = {
-            **os.environ,
-            "NOTIFY_SOCKET": self._notify_path,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        }
-        self.process = bed.popen(
-            node,
-            [
-                sys.executable,
-                "-m",
-                "commd.cli",
-                "run",
-                "--socket",
-                self.socket,
-                "--listen",
-                f"{self.host}:0",
-                "--backend",
-                "gloo",
-                "--timeout-s",
-                str(timeout_s),
-                "--log-level",
-                "info",
-            ],
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        self.port = self._await_ready()
-
-    def _await_ready(self) -> int:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                datagram = self._notify.recv(4096).decode()
-            except TimeoutError:
-                break
-            if "READY=1" in datagram.split("\n"):
-                match = re.search(r"peers on [^\s]+:(\d+)", datagram)
-                if match:
-                    return int(match.group(1))
-                raise RuntimeError(f"daemon {self.node} sent no port: {datagram!r}")
-            if self.process.poll() is not None:
-                break
-        raise RuntimeError(f"daemon {self.node} did not become ready:\n{self.log()[-3000:]}")
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        self._notify.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._notify_path)
-        return self.process.returncode
 
 
 class Rank:
@@ -303,7 +217,7 @@ def snapshot(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def job_status(daemon: NetnsDaemon, job: str) -> dict[str, Any] | None:
+def job_status(daemon: LocalDaemon, job: str) -> dict[str, Any] | None:
     from commd.status import NoDaemon, query
 
     try:
@@ -315,7 +229,7 @@ def job_status(daemon: NetnsDaemon, job: str) -> dict[str, Any] | None:
 
 def run_job(
     bed: NetBed,
-    daemons: list[NetnsDaemon],
+    daemons: list[LocalDaemon],
     workdir: Path,
     job: str,
     mode: str,
@@ -454,12 +368,15 @@ class Harness:
         self.workdir = Path(tempfile.mkdtemp(prefix="commd-bench-comp-"))
         self.tag = uuid.uuid4().hex[:6]
         self.jobs: list[str] = []
-        self.daemons: list[NetnsDaemon] = []
+        self.daemons: list[LocalDaemon] = []
         self.failed = False
 
     def start(self) -> None:
         for node in range(self.bed.nodes):
-            self.daemons.append(NetnsDaemon(self.bed, node, self.workdir, self.args.timeout))
+            self.daemons.append(LocalDaemon(
+                self.workdir, f"d{node}", "--backend", "gloo", "--timeout-s",
+                str(self.args.timeout), listen_host=self.bed.address(node),
+                prefix=self.bed.argv(node, [])))
 
     def job_name(self) -> str:
         name = f"bc{self.tag}-{len(self.jobs)}"
@@ -472,7 +389,7 @@ class Harness:
             if code not in (0, -signal.SIGTERM):
                 self.failed = True
                 print(
-                    f"daemon {daemon.node} exited with {code}:\n{daemon.log()[-2000:]}",
+                    f"daemon {daemon.name} exited with {code}:\n{daemon.log()[-2000:]}",
                     file=sys.stderr,
                 )
         self.daemons.clear()

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from commd.compression.costs import ExchangeCosts, exchange_costs
 from commd.planner import parse_bandwidth, parse_duration
@@ -232,20 +232,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one "commd: " line, like every other error of this command."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"commd: {message} (see --help)\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m commd.costs ARGS`` = ``commd costs ARGS``."""
-    parser = _Parser(prog="commd")
-    register_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["costs", *(sys.argv[1:] if argv is None else argv)])
-    result: int = args.func(args)
-    return result
+    from .cli import main as cli_main
+
+    return cli_main(["costs", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

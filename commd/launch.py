@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 READY_TIMEOUT_S = 30.0
@@ -20,7 +21,10 @@ class LocalDaemon:
     """One `commd run` on 127.0.0.1 with a random peer port and its own ipc socket."""
 
     def __init__(self, workdir: Path | str, name: str, *extra: str,
-                 env: dict[str, str] | None = None, listen_host: str = "127.0.0.1") -> None:
+                 env: dict[str, str] | None = None, listen_host: str = "127.0.0.1",
+                 prefix: Sequence[str] = ()) -> None:
+        """``prefix`` wraps the command, e.g. ``ip netns exec NS`` for a network namespace
+        (the notify socket is a file, so readiness still reaches us)."""
         workdir = Path(workdir)
         self.name = name
         self.socket = str(workdir / f"{name}.sock")
@@ -33,7 +37,7 @@ class LocalDaemon:
         full_env = {**os.environ, "NOTIFY_SOCKET": self._notify_path, **(env or {})}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "commd.cli", "run", "--socket", self.socket,
+            [*prefix, sys.executable, "-m", "commd.cli", "run", "--socket", self.socket,
              "--listen", f"{listen_host}:0", *extra],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
         )

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from commd.planner import (
     MGWFBP_SIM,
@@ -338,20 +338,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one "commd: " line, like every other error of this command."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"commd: {message} (see --help)\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m commd.simulate ARGS`` = ``commd simulate ARGS``."""
-    parser = _Parser(prog="commd")
-    register_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
-    result: int = args.func(args)
-    return result
+    from .cli import main as cli_main
+
+    return cli_main(["simulate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
