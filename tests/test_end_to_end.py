@@ -117,3 +117,22 @@ def test_sigterm_removes_socket_and_segments(start_daemon) -> None:
     import os
 
     assert not os.path.exists(node.socket)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_daemon_fails_every_rank_of_the_job(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    spec = JobSpec("orphaned", nodes, 2, LAYERS, iterations=100000, timeout=60,
+                   overrides={r: {"skip_results": True} for r in range(4)})
+    processes = start_ranks(spec)
+    for process in processes:
+        assert process.stdout is not None
+        assert json.loads(process.stdout.readline())["registered"]
+    nodes[1].process.kill()  # SIGKILL: no drain, no goodbye
+    results = collect(processes, timeout=90)
+    for result in results:
+        assert result.get("error_type") in ("CommdError", "CommdTimeout"), result
+        assert result["error"].startswith("commd: ")
+    # Node 0's ranks learn it from the failed collective, long before their 60 s timeout.
+    assert all(r["error_type"] == "CommdError" for r in results[:2]), results[:2]
+    assert all("lost the connection" in r["error"] for r in results[2:]), results[2:]
