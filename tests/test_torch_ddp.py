@@ -132,9 +132,8 @@ def test_different_initial_weights_and_buffers_end_equal(nodes, tmp_path) -> Non
     results = run_ranks(tmp_path, nodes, 1, "ddp-bn", "bn", steps=3)
     assert_identical(results)
     assert any(k.endswith("running_mean") for k in results[0]["state"])
-    assert not torch.equal(
-        results[0]["state"]["module.conv.weight"], build_model("bn", 100).conv.weight
-    )
+    rank0_init = build_model("bn", 100).state_dict()["conv.weight"]
+    assert not torch.equal(results[0]["state"]["module.conv.weight"], rank0_init)  # it trained
 
 
 @pytest.mark.timeout(60)
@@ -234,6 +233,7 @@ def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
             flat = ddp._reducer._buckets[0].client.flat
             start, stop = flat.ctypes.data, flat.ctypes.data + flat.nbytes
             for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
+                assert param.grad is not None
                 assert start <= param.grad.data_ptr() < stop  # a view of the shared buffer
                 torch.testing.assert_close(param.grad, want.grad, atol=1e-6, rtol=0)
             sgd_step(list(model.parameters()), 0.1)  # sets .grad = None, like zero_grad()
@@ -243,3 +243,67 @@ def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
         assert ddp.module is model
     for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
         torch.testing.assert_close(param, want, atol=1e-6, rtol=0)
+
+
+class _MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(3, 4).double()
+        self.narrow = nn.Linear(4, 2).to(torch.bfloat16)
+        self.frozen = nn.Linear(2, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.narrow(self.wide(x).to(torch.bfloat16)).float())
+
+
+@pytest.mark.timeout(30)
+def test_one_rank_in_process_mixed_dtypes_and_frozen_parameters(nodes) -> None:
+    """One job per gradient dtype; parameters that require no gradient are left out."""
+    model, reference_model = _MixedDtypes(), _MixedDtypes()
+    reference_model.load_state_dict(model.state_dict())
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with DistributedDataParallel(
+        model, job="ddp-mixed", rank=0, world_size=1, local_rank=0, local_world_size=1,
+        coordinator=nodes[0].address, socket=nodes[0].socket, timeout=20,
+    ) as ddp:
+        for _ in range(2):
+            ddp(x).sum().backward()
+            reference_model(x).sum().backward()
+        buckets = ddp._reducer._buckets
+        # The dtype of the first gradient ready (the last layer's) gets the plain job id.
+        assert [b.client.job for b in buckets] == ["ddp-mixed", "ddp-mixed.grads-float64"]
+        assert sum(len(b.params) for b in buckets) == 4  # wide and narrow, weight and bias
+        for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
+            if param.requires_grad:
+                torch.testing.assert_close(param.grad, want.grad)
+            else:
+                assert param.grad is None
+
+
+_EXIT_WITHOUT_CLOSE = """
+import os, sys, weakref, torch
+from commd_client.torch import DistributedDataParallel
+class Anchor: pass
+anchor, segments = Anchor(), []
+# At exit, finalizers run newest first: this older one runs after the wrapper's own.
+weakref.finalize(anchor, lambda: print("unlinked", not any(
+    os.path.exists(f"/dev/shm/{name}") for name in segments), flush=True))
+model = DistributedDataParallel(torch.nn.Linear(3, 2), job="ddp-atexit", rank=0, world_size=1,
+                                local_rank=0, local_world_size=1, coordinator=sys.argv[1],
+                                socket=sys.argv[2], timeout=20)
+model(torch.ones(4, 3)).sum().backward()
+segments.append(model._reducer._buckets[0].client._segment.name)
+print("grads", sum(1 for p in model.parameters() if p.grad is not None), flush=True)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_exit_without_close_unlinks_the_segment(nodes) -> None:
+    """The wrapper closes itself at interpreter exit, before the process is gone."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, nodes[0].address, nodes[0].socket],
+        capture_output=True, text=True, timeout=25,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["grads", "2", "unlinked", "True"], done.stdout

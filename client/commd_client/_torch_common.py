@@ -8,12 +8,16 @@ all floating dtypes up to 64 bits, bool, and integers up to 2**53.
 
 from __future__ import annotations
 
+import errno
+import itertools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 from commd_protocol import CommdError
 
@@ -28,6 +32,7 @@ GRAD_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
 }
 
+_OPEN_ATTEMPTS = 100  # x 10 ms: see Endpoint.open
 _EXACT_INT_LIMIT = 2**53  # integers beyond this lose precision in float64
 
 GPU_MESSAGE = (
@@ -76,16 +81,26 @@ class Endpoint:
 
     def open(self, suffix: str = "") -> Client:
         """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job)."""
-        return Client(
-            job=self.job + suffix,
-            rank=self.rank,
-            world_size=self.world_size,
-            local_rank=self.local_rank,
-            local_world_size=self.local_world_size,
-            coordinator=self.coordinator,
-            socket=self.socket,
-            timeout=self.timeout,
-        )
+        for attempt in itertools.count():
+            try:
+                return Client(
+                    job=self.job + suffix,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    local_rank=self.local_rank,
+                    local_world_size=self.local_world_size,
+                    coordinator=self.coordinator,
+                    socket=self.socket,
+                    timeout=self.timeout,
+                )
+            except zmq.ZMQError as exc:
+                # pyzmq names a socket's monitor endpoint after its file descriptor: a client
+                # opened right after another one closed can reuse the descriptor before zmq
+                # has released the old endpoint. It is released within milliseconds.
+                if exc.errno != errno.EADDRINUSE or attempt >= _OPEN_ATTEMPTS:
+                    raise
+                time.sleep(0.01)
+        raise AssertionError("unreachable")
 
 
 def check_cpu(named: Iterable[tuple[str, Any]]) -> None:
