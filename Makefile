@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean install
+.PHONY: demo test lint bench bench-all clean install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+
+# Every benchmark (the netns ones need root; several minutes on 2 cores): see docs/benchmarks.md.
+bench-all: $(STAMP)
+	$(BIN)/python bench/overhead.py --ready both
+	$(BIN)/python bench/planner_quality.py
+	$(BIN)/python bench/replay.py
+	$(BIN)/python bench/ddp_compare.py
+	$(BIN)/python bench/compression.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -55,7 +55,7 @@ def build_model(name: str) -> Any:
 
     torch.manual_seed(0)
     if name == "small_cnn":
-        from commd.models.small_cnn import small_cnn
+        from commd.models import small_cnn
 
         return small_cnn()
     if name == "deep_mlp":

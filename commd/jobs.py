@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 
-from commd_client.dtypes import numpy_dtype
 from commd_protocol import (
     DTYPES,
     OPS,
@@ -36,10 +34,12 @@ from commd_protocol import (
     Registered,
 )
 
+from . import buffers
 from .compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from .compression.topk import parse_compression
 from .engines import Engine, EngineConfig, EngineError, create_engine
-from .memory import SegmentError, SharedSegment
+from .engines.ops import BufferOps
+from .memory import SharedSegment
 from .pipeline import Pipeline, ReadyError, make_plan
 from .profiler import DECISION_LAG, REPORT_EVERY, IterationRecord, NodeProfiler
 
@@ -66,7 +66,7 @@ class LocalRank:
     local_rank: int
     pid: int
     segment: SharedSegment | None = None
-    buffer: np.ndarray | None = None
+    buffer: Any = None  # numpy array (shared memory) or cupy array (device memory)
     registration: Register | None = None
     waiting: int | None = None  # the iteration this rank waits for
     left: bool = False
@@ -77,6 +77,7 @@ class JobContext:
     """What every job of this daemon shares."""
 
     backend: str
+    engine_for: Callable[[str], str]  # buffer kind -> engine name; ValueError says why none
     timeout_s: float
     advertise: Callable[[str], str]  # coordinator host -> our engine address
     executor: Executor
@@ -99,6 +100,7 @@ class Job:
         self.setup: PeerSetup | None = None
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
+        self.ops: BufferOps | None = None  # how the data plane touches this job's buffers
         self.profiler: NodeProfiler | None = None
         self.last_plan: PeerPlan | None = None
         self.measured_comm_s = 0.0
@@ -162,27 +164,39 @@ class Job:
         if not message.planner:
             message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
         self._check_register(message)
-        dtype = numpy_dtype(message.dtype)
         total = sum(layer.size for layer in message.layers)
         try:
-            segment = SharedSegment(message.shm_name)
-        except SegmentError as exc:
+            self._attach(member, message, total)
+        except buffers.AttachError as exc:
             raise JobError(str(exc)) from None
-        if total * dtype.itemsize > segment.nbytes:
-            segment.detach()
-            raise JobError(
-                f"layers need {total * dtype.itemsize} bytes but segment "
-                f"{message.shm_name!r} holds {segment.nbytes}"
-            )
-        member.segment, member.registration = segment, message
-        member.buffer = segment.array(dtype, total)
+        member.registration = message
         self._check_local_agreement(member)
         if len(self.ranks) == self.local_world_size and all(
             r.registration is not None for r in self.ranks.values()
         ):
             self._join()
 
+    def _attach(self, member: LocalRank, message: Register, total: int) -> None:
+        if self.ops is not None:
+            problem = buffers.same_device(self.ops, message)
+            if problem:
+                raise buffers.AttachError(f"rank {member.rank} registered {problem}")
+        if message.device == "cpu":
+            member.segment, member.buffer = buffers.attach_host(message, total)
+        if self.ops is None:
+            self.ops = buffers.new_ops(message, self.ctx.timeout_s)
+        if message.device != "cpu":
+            member.buffer = buffers.attach_device(self.ops, member.local_rank, message, total)
+
     def _check_register(self, message: Register) -> None:
+        problem = buffers.check_fields(message)
+        if problem:
+            raise JobError(problem)
+        if self.world_size > self.local_world_size:  # several nodes: an engine must take it
+            try:
+                self.ctx.engine_for(message.device)
+            except ValueError as exc:
+                raise JobError(str(exc)) from None
         if message.dtype not in DTYPES:
             raise JobError(f"unsupported dtype {message.dtype!r}; use one of {', '.join(DTYPES)}")
         if message.op not in OPS:
@@ -237,7 +251,9 @@ class Job:
                 op=reg.op,
                 planner=reg.planner,
                 compression=reg.compression,
+                profile=reg.profile,
                 host=self.ctx.advertise(host),
+                device=reg.device,
             ),
         )
 
@@ -249,9 +265,15 @@ class Job:
             log.warning("job %s: ignoring set-up in state %s", self.id, self.state)
             return
         self.state, self.setup = "starting", setup
+        assert self.ops is not None
         engine = None
         if setup.nodes > 1:
-            engine = create_engine(self.ctx.backend)
+            try:
+                engine = create_engine(self.ctx.engine_for(self.ops.kind))
+                engine.bind(self.ops)
+            except (ValueError, EngineError) as exc:
+                self.fail(ErrorCode.ENGINE, f"engine set-up failed: {exc}")
+                return
             host = self.coordinator.rpartition(":")[0].strip("[]")
             config = EngineConfig(
                 key=f"{self.id}/{setup.generation}",
@@ -273,9 +295,17 @@ class Job:
                 engine.close()
             return
         self.engine = engine
-        self.pipeline = self._make_pipeline()
         try:
-            probe = await self.pipeline.probe()
+            await self.ops.prepare(self._first_registration().dtype)
+        except EngineError as exc:
+            self.fail(ErrorCode.ENGINE, f"device set-up failed: {exc}")
+            return
+        if self.state != "starting":
+            return
+        self.pipeline = self._make_pipeline()
+        profiled = self.ranks[min(self.ranks)].registration
+        try:
+            probe = await self.pipeline.probe() if profiled and profiled.profile else []
         except EngineError as exc:
             self.fail(ErrorCode.ENGINE, f"network probe failed: {exc}")
             return
@@ -302,7 +332,13 @@ class Job:
             node_index=self.setup.node_index if self.setup else 0,
             nodes=self.setup.nodes if self.setup else 1,
             compressed=parse_compression(reg.compression) is not None,
+            ops=self.ops,
         )
+
+    def _first_registration(self) -> Register:
+        reg = min(self.ranks.values(), key=lambda r: r.local_rank).registration
+        assert reg is not None
+        return reg
 
     def on_plan(self, decision: PeerPlan) -> None:
         """The coordinator's plan for a round; round 0's starts the job."""
@@ -323,7 +359,7 @@ class Job:
         self.state = "running"
         reply = Registered(
             nodes=self.setup.nodes, node_index=self.setup.node_index, groups=decision.groups,
-            planner=self.setup.planner,
+            planner=self.setup.planner, done_event=self.ops.done_event if self.ops else b"",
         )
         for member in self.ranks.values():
             self.ctx.send_client(member.identity, reply)
@@ -340,7 +376,8 @@ class Job:
         self.measured_comm_s = record.exposed_comm_s
         self.recent_iterations_s = [*self.recent_iterations_s[-99:], record.iteration_s]
         self.gain = record.gain
-        if (record.iteration + 1) % REPORT_EVERY:
+        reg = self.ranks[min(self.ranks)].registration
+        if (record.iteration + 1) % REPORT_EVERY or (reg is not None and not reg.profile):
             return
         summary = self.profiler.summary()
         self.pipeline.expect_decision(record.iteration + 1 + DECISION_LAG)
@@ -353,7 +390,7 @@ class Job:
 
     # --- iterations ------------------------------------------------------------------------------
 
-    def ready(self, member: LocalRank, layers: list[int]) -> None:
+    def ready(self, member: LocalRank, layers: list[int], sent_at: float = 0.0) -> None:
         if self.state != "running" or self.pipeline is None:
             raise JobError(
                 f"ready before the job is formed (job {self.id!r} is {self.state})",
@@ -364,7 +401,7 @@ class Job:
             self.fail(ErrorCode.RANK_LOST, f"rank(s) {gone} closed; the job cannot go on")
             return
         try:
-            self.pipeline.mark(member.local_rank, layers)
+            self.pipeline.mark(member.local_rank, layers, sent_at)
         except ReadyError as exc:
             raise JobError(str(exc)) from None
 
@@ -444,9 +481,11 @@ class Job:
             self.state = "closed"
         self._release_engine()
         for member in self.ranks.values():
+            member.buffer = None
             if member.segment is not None:
-                member.buffer = None
                 member.segment.close()
+        if self.ops is not None:
+            self.ops.close()  # device: unmaps the ranks' buffers once the stream drained
 
     def _release_engine(self) -> None:
         if self.pipeline is not None:
@@ -486,6 +525,8 @@ class Job:
             "iteration_s": {"last": recent[-1], "mean": sum(recent) / len(recent)}
             if recent else None,
             "error": self.failure.message if self.failure else None,
+            "device": reg.device if reg else None,
+            "ready_to_launch": pipeline.ready_to_launch.summary() if pipeline else None,
         }
 
 
@@ -499,6 +540,10 @@ def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:
         return f"planner {a.planner!r} vs {b.planner!r}"
     if a.compression != b.compression:
         return f"compression {a.compression!r} vs {b.compression!r}"
+    if a.device != b.device:
+        return f"buffers on {a.device} vs {b.device}"
+    if a.profile != b.profile:
+        return f"profile {a.profile} vs {b.profile}"
     for index, (left, right) in enumerate(zip(a.layers, b.layers, strict=False)):
         if left != right:
             return (

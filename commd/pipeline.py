@@ -4,11 +4,18 @@ Groups run in plan order on every node, so no per-iteration negotiation is neede
 is summed over the local ranks, all-reduced once among the nodes, scaled for avg and written
 back to every local rank; group g+1 is summed while group g is on the wire. Readiness is kept
 per layer, not per group, so a new plan can take over at any iteration boundary.
+
+Where the buffers live is the business of ``BufferOps``. Host operations run when called.
+Device operations are stream-ordered: a group's local sum, collective and copy back are only
+enqueued, the clients are told ``done`` as soon as the iteration's last group is issued (their
+streams wait on the done event), and the iteration's record for the profiler follows when the
+device has finished it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -21,7 +28,9 @@ from commd_client.layout import backward_offsets, group_span
 
 from .compression.exchange import GroupExchange
 from .compression.topk import topk_count
-from .engines import Engine, host_ops
+from .engines import Engine
+from .engines.ops import Buffer, BufferOps, HostOps
+from .latency import LatencyWindow
 from .profiler import (
     ALLGATHER,
     ALLREDUCE,
@@ -65,7 +74,7 @@ class Pipeline:
         self,
         *,
         sizes: Sequence[int],
-        buffers: Sequence[np.ndarray],
+        buffers: Sequence[Buffer],
         dtype: str,
         op: str,
         world_size: int,
@@ -77,9 +86,11 @@ class Pipeline:
         node_index: int = 0,
         nodes: int = 1,
         compressed: bool = False,
+        ops: BufferOps | None = None,
     ) -> None:
         self.sizes = list(sizes)
         self.buffers = list(buffers)  # one flat array per local rank, local-rank order
+        self.ops = ops if ops is not None else HostOps()
         self.dtype = dtype
         self.op = op
         self.world_size = world_size
@@ -91,6 +102,12 @@ class Pipeline:
         self._marked = np.zeros((len(self.buffers), len(self.sizes)), dtype=bool)
         self._count = np.zeros(len(self.sizes), dtype=np.int64)
         self._ready_at = np.zeros(len(self.sizes), dtype=np.float64)
+        # CLOCK_MONOTONIC send time of the notification that completed each layer (0: unknown)
+        self._sent_at = np.zeros(len(self.sizes), dtype=np.float64)
+        self.ready_to_launch = LatencyWindow()  # last ready sent → the group's reduction issued
+        self._records: asyncio.Future[None] | None = None  # device: the last pending record
+        self._views_plan: Plan | None = None  # the plan whose group views are cached
+        self._views: dict[int, list[Buffer]] = {}  # group index -> one view per local rank
         self._changed = asyncio.Event()
         self.plan: Plan | None = None
         self._scheduled: dict[int, Plan] = {}  # effective iteration -> plan
@@ -122,14 +139,17 @@ class Pipeline:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._records is not None:
+            self._records.cancel()
 
     # --- readiness (from the control plane) ------------------------------------------------------
 
-    def mark(self, local_index: int, layers: Sequence[int]) -> None:
-        """Record ready layers of one local rank; raise ReadyError and change nothing if bad."""
+    def mark(self, local_index: int, layers: Sequence[int], sent_at: float = 0.0) -> None:
+        """Record ready layers of one local rank; raise ReadyError and change nothing if bad.
+        ``sent_at``: the client's CLOCK_MONOTONIC time of sending (0: not given)."""
         row = self._marked[local_index]
         if len(layers) == 1:  # the common case: one ready per layer, no numpy fancy indexing
-            self._mark_one(row, layers[0])
+            self._mark_one(row, layers[0], sent_at)
             return
         for layer in layers:
             if not 0 <= layer < row.size:
@@ -146,9 +166,10 @@ class Pipeline:
         complete = [x for x in chosen if self._count[x] == len(self.buffers)]
         if complete:
             self._ready_at[complete] = time.perf_counter()
+            self._sent_at[complete] = sent_at
             self._changed.set()
 
-    def _mark_one(self, row: np.ndarray, layer: int) -> None:
+    def _mark_one(self, row: np.ndarray, layer: int, sent_at: float) -> None:
         if not 0 <= layer < row.size:
             raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
         if row[layer]:
@@ -160,6 +181,7 @@ class Pipeline:
         self._count[layer] += 1
         if self._count[layer] == len(self.buffers):
             self._ready_at[layer] = time.perf_counter()
+            self._sent_at[layer] = sent_at
             self._changed.set()
 
     @property
@@ -195,49 +217,107 @@ class Pipeline:
     async def _iterate(self, plan: Plan) -> None:
         finishing = []
         samples: list[CommSample] = []
+        wires: list[asyncio.Future[Any]] = []  # device: collectives still on the stream
         for index, group in enumerate(plan.groups):
             while self._count[group[0] : group[-1] + 1].min() < len(self.buffers):
                 self._changed.clear()
                 await self._changed.wait()
             if plan.exchanges[index] == "dense":
-                finishing.append(await self._launch(plan, index, samples))
+                finishing.append(await self._launch(plan, index, samples, wires))
             else:
                 finishing.append(await self._compressed(plan, index, samples))
         await asyncio.gather(*finishing)
-        finished = time.perf_counter()
         ready_at = self._ready_at.copy()
-        start = float(ready_at.min())
         gain = float(np.mean(self.gains)) if self.gains else 1.0
         self.gains = []
-        record = IterationRecord(
+        done = self.iteration
+        self.iteration += 1
+        self._marked[:] = False
+        self._count[:] = 0
+        if not self.ops.stream_ordered:
+            self._on_record(self._record(plan, done, ready_at, samples, gain,
+                                         time.perf_counter()))
+            self._on_complete(done, plan.version)
+            return
+        # Device: everything is issued. The clients' streams wait on the done event; the
+        # record follows once the device has finished (in order, never blocking the loop).
+        self.ops.release()
+        self._on_complete(done, plan.version)
+        finished = self.ops.fence()
+        previous = self._records
+        self._records = asyncio.ensure_future(self._record_when_finished(
+            previous, [*wires, finished], plan, done, ready_at, samples, gain))
+
+    def _record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
+                samples: list[CommSample], gain: float, finished: float) -> IterationRecord:
+        start = float(ready_at.min())
+        return IterationRecord(
             gain=gain,
             ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
-            iteration=self.iteration,
+            iteration=iteration,
             ready_offsets_s=ready_at - start,
             comm=samples,
             exposed_comm_s=max(0.0, finished - float(ready_at.max())),
             iteration_s=finished - start,
         )
-        done = self.iteration
-        self.iteration += 1
-        self._marked[:] = False
-        self._count[:] = 0
-        self._on_record(record)
-        self._on_complete(done, plan.version)
+
+    async def _record_when_finished(self, previous: asyncio.Future[None] | None,
+                                    pending: list[asyncio.Future[Any]], plan: Plan,
+                                    iteration: int, ready_at: np.ndarray,
+                                    samples: list[CommSample], gain: float) -> None:
+        try:
+            if previous is not None:
+                with contextlib.suppress(Exception):  # its failure was reported already
+                    await previous
+            await asyncio.gather(*pending)
+            finished = time.perf_counter()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._on_failure(exc)
+            return
+        self._on_record(self._record(plan, iteration, ready_at, samples, gain, finished))
 
     async def _launch(
-        self, plan: Plan, index: int, samples: list[CommSample]
+        self, plan: Plan, index: int, samples: list[CommSample],
+        wires: list[asyncio.Future[Any]],
     ) -> asyncio.Future[Any]:
         """Sum the local ranks into the first one's buffer, then put the group on the wire."""
-        start, stop = plan.spans[index]
-        views = [buffer[start:stop] for buffer in self.buffers]
+        views = self._group_views(plan, index)
+        self.ops.acquire()
         if len(views) > 1:
-            await self._memory(host_ops.sum_into, views[0], views[1:], self.dtype)
+            await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
         wire: asyncio.Future[Any] | None = None
         if self.engine is not None:
             wire = self._timed(self.engine.allreduce(views[0], self.dtype),
                                (self.iteration, index), views[0].nbytes, samples)
-        return asyncio.ensure_future(self._finish(wire, views))
+        self._note_launch(plan.groups[index])
+        if not self.ops.stream_ordered:
+            return asyncio.ensure_future(self._finish(wire, views))
+        # Stream-ordered: the copy back queues behind the collective on the same stream.
+        if wire is not None:
+            wires.append(wire)
+        self.ops.finish(views[0], views[1:], self._factor(), self.dtype)
+        return _completed()
+
+    def _group_views(self, plan: Plan, index: int) -> list[Buffer]:
+        """Each local rank's slice of a group, made once per plan (a device array's slice
+        costs microseconds, on the path from the last ready to the launch)."""
+        if self._views_plan is not plan:
+            self._views_plan, self._views = plan, {}
+        views = self._views.get(index)
+        if views is None:
+            start, stop = plan.spans[index]
+            views = self._views[index] = [buffer[start:stop] for buffer in self.buffers]
+        return views
+
+    def _note_launch(self, group: Sequence[int]) -> None:
+        sent = float(self._sent_at[group[0] : group[-1] + 1].max())
+        if sent > 0.0:
+            self.ready_to_launch.add(max(0.0, time.monotonic() - sent))
+
+    def _factor(self) -> float:
+        return 1.0 / self.world_size if self.op == "avg" and self.world_size > 1 else 1.0
 
     async def _compressed(
         self, plan: Plan, index: int, samples: list[CommSample]
@@ -248,7 +328,7 @@ class Pipeline:
         start, stop = plan.spans[index]
         views = [buffer[start:stop] for buffer in self.buffers]
         if len(views) > 1:
-            await self._memory(host_ops.sum_into, views[0], views[1:], self.dtype)
+            await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
         k = topk_count(stop - start, plan.ratio)
         residual = self.residual[start:stop]
         key = (self.iteration, index)
@@ -272,29 +352,30 @@ class Pipeline:
         # starts when it was launched or when the previous one finished, whichever is later.
         launched = time.perf_counter()
 
-        def record(_: asyncio.Future[Any]) -> None:
+        def record(done: asyncio.Future[Any]) -> None:
             ended = time.perf_counter()
             begin = max(launched, self._last_wire_end)
             self._last_wire_end = ended
-            samples.append(CommSample(key, nbytes, ended - begin))
+            # A device engine measures the collective itself (timing events on its stream):
+            # the wall clock would also count the wait for the producers' events.
+            measured = None if done.cancelled() or done.exception() else done.result()
+            took = measured if isinstance(measured, float) else ended - begin
+            samples.append(CommSample(key, nbytes, took))
 
         wire.add_done_callback(record)
         return wire
 
-    async def _finish(self, wire: asyncio.Future[Any] | None, views: list[np.ndarray]) -> None:
+    async def _finish(self, wire: asyncio.Future[Any] | None, views: list[Buffer]) -> None:
         if wire is not None:
             await wire
-        if self.op == "avg" and self.world_size > 1:
-            await self._memory(host_ops.scale, views[0], 1.0 / self.world_size, self.dtype)
-        if len(views) > 1:
-            await self._memory(host_ops.copy_to, views[1:], views[0])
+        if self._factor() != 1.0 or len(views) > 1:
+            await self._memory(self.ops.finish, views[0], views[1:], self._factor(), self.dtype)
 
-    async def _memory(self, function: Callable[..., None], *args: Any) -> None:
-        nbytes = args[0].nbytes if isinstance(args[0], np.ndarray) else args[1].nbytes
-        if nbytes <= _INLINE_BYTES:
-            function(*args)
+    async def _memory(self, function: Callable[..., None], buffer: Buffer, *args: Any) -> None:
+        if self.ops.stream_ordered or buffer.nbytes <= _INLINE_BYTES:
+            function(buffer, *args)
             return
-        await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        await asyncio.get_running_loop().run_in_executor(self._executor, function, buffer, *args)
 
     # --- the start-up probe ----------------------------------------------------------------------
 
@@ -309,9 +390,15 @@ class Pipeline:
         samples: list[list[float]] = []
         for repeat in range(PROBE_REPEATS):
             for index, elements in enumerate(PROBE_ELEMENTS):
-                scratch = np.zeros(elements, dtype=np.float32)
+                scratch = self.ops.zeros(elements, "float32")
                 begin = time.perf_counter()
                 await self.engine.allreduce(scratch, "float32")
                 if repeat > 0:  # the first round is the warm-up
                     samples.append([-repeat, index, scratch.nbytes, time.perf_counter() - begin])
         return samples
+
+
+def _completed() -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future

@@ -47,7 +47,7 @@ from commd_protocol.codec import client_codec, peer_codec
 
 from . import sdnotify
 from .coordinator import Coordinator
-from .engines import choose_backend
+from .engines import choose_backend, engine_for_buffers
 from .jobs import Job, JobContext, JobError, LocalRank
 from .peers import PeerLinks
 from .planner import get_planner
@@ -239,7 +239,7 @@ class Daemon:
         elif isinstance(message, Ready):
             if member.registration is None:
                 raise JobError("ready before register", ErrorCode.OUT_OF_ORDER)
-            job.ready(member, message.layers)
+            job.ready(member, message.layers, message.sent_at)
         elif isinstance(message, Wait):
             if member.registration is None:
                 raise JobError("wait before register", ErrorCode.OUT_OF_ORDER)
@@ -315,6 +315,7 @@ class Daemon:
     def _job_context(self) -> JobContext:
         return JobContext(
             backend=self.backend,
+            engine_for=self._engine_for,
             timeout_s=self.settings.timeout_s,
             advertise=self._advertise,
             executor=self._executor,
@@ -323,6 +324,9 @@ class Daemon:
             validate_planner=validate_planner,
             default_planner=self.settings.planner,
         )
+
+    def _engine_for(self, kind: str) -> str:
+        return engine_for_buffers(kind, self.settings.backend, self.backend)
 
     def _advertise(self, coordinator_host: str) -> str:
         if self.settings.advertise:

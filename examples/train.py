@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from commd.models.small_cnn import small_cnn
+from commd.models import small_cnn
 from commd_client.torch import DistributedDataParallel
 
 _BATCHES_PER_RANK = 8  # each rank cycles through its own small synthetic dataset

@@ -50,7 +50,7 @@ class WithBatchNorm(nn.Module):
 def build_model(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "small_cnn":
-        from commd.models.small_cnn import small_cnn
+        from commd.models import small_cnn
 
         return small_cnn()
     if kind == "mlp":

@@ -84,3 +84,30 @@ def test_topk_auto_changes_ratio_at_the_same_iteration_everywhere(start_daemon) 
     # Exploration: 0.1 from iteration 0, 0.01 from 12, 0.001 from 22 — three plan versions.
     assert plans[0][0] < plans[0][12] < plans[0][22], plans[0]
     assert len(set(plans[0][:12])) == 1 and len(set(plans[0][12:22])) == 1
+
+
+@pytest.mark.timeout(180)
+def test_ddp_with_compression_keeps_ranks_identical(start_daemon) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    nodes = [start_daemon(), start_daemon()]
+    script = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    processes = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "1", "COMMD_SOCKET": nodes[rank].socket,
+               "COMMD_COORDINATOR": nodes[0].address, "COMMD_JOB": "ddp-topk",
+               "COMMD_COMPRESSION": "topk:0.05", "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen([sys.executable, str(script), "--steps", "4"],
+                                          env=env, stdout=subprocess.PIPE, text=True))
+    outputs = []
+    for process in processes:
+        out, _ = process.communicate(timeout=150)
+        assert process.returncode == 0, out
+        outputs.append(out)
+    sums = [line.rsplit("checksum", 1)[1].strip() for out in outputs
+            for line in out.splitlines() if "done:" in line]
+    assert len(sums) == 2 and sums[0] == sums[1], outputs

@@ -8,16 +8,12 @@ all floating dtypes up to 64 bits, bool, and integers up to 2**53.
 
 from __future__ import annotations
 
-import errno
-import itertools
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from commd_protocol import CommdError
 
@@ -32,7 +28,6 @@ GRAD_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
 }
 
-_OPEN_ATTEMPTS = 100  # x 10 ms: see Endpoint.open
 _EXACT_INT_LIMIT = 2**53  # integers beyond this lose precision in float64
 
 GPU_MESSAGE = (
@@ -81,26 +76,16 @@ class Endpoint:
 
     def open(self, suffix: str = "") -> Client:
         """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job)."""
-        for attempt in itertools.count():
-            try:
-                return Client(
-                    job=self.job + suffix,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    local_rank=self.local_rank,
-                    local_world_size=self.local_world_size,
-                    coordinator=self.coordinator,
-                    socket=self.socket,
-                    timeout=self.timeout,
-                )
-            except zmq.ZMQError as exc:
-                # pyzmq names a socket's monitor endpoint after its file descriptor: a client
-                # opened right after another one closed can reuse the descriptor before zmq
-                # has released the old endpoint. It is released within milliseconds.
-                if exc.errno != errno.EADDRINUSE or attempt >= _OPEN_ATTEMPTS:
-                    raise
-                time.sleep(0.01)
-        raise AssertionError("unreachable")
+        return Client(
+            job=self.job + suffix,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
+            coordinator=self.coordinator,
+            socket=self.socket,
+            timeout=self.timeout,
+        )
 
 
 def check_cpu(named: Iterable[tuple[str, Any]]) -> None:
@@ -147,8 +132,7 @@ class Broadcaster:
     """
 
     def __init__(
-        self, endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]],
-        planner: str | None,
+        self, endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]]
     ) -> None:
         self.rank = endpoint.rank
         self.names = [name for name, tensor in named if tensor.numel() > 0]
@@ -157,7 +141,8 @@ class Broadcaster:
             sizes = {name: tensor.numel() for name, tensor in named}
             self.arrays = self.client.register(
                 [(name, sizes[name]) for name in self.names], dtype="float64", op="sum",
-                planner=planner,
+                # A few exact exchanges: one group, no probe, never compressed.
+                planner="syncea", profile=False, compression="none",
             )
         except BaseException:
             self.client.close()
@@ -188,22 +173,21 @@ def broadcast_once(
     endpoint: Endpoint,
     suffix: str,
     named: Sequence[tuple[str, torch.Tensor]],
-    planner: str | None,
 ) -> None:
     """Overwrite ``named`` with rank 0's values through a short-lived job."""
     if not any(tensor.numel() for _, tensor in named):
         return
-    broadcaster = Broadcaster(endpoint, suffix, named, planner)
+    broadcaster = Broadcaster(endpoint, suffix, named)
     try:
         broadcaster.run(named)
     finally:
         broadcaster.close()
 
 
-def broadcast_order(endpoint: Endpoint, order: Sequence[int], planner: str | None) -> list[int]:
+def broadcast_order(endpoint: Endpoint, order: Sequence[int]) -> list[int]:
     """Rank 0's list of parameter indices, to every rank."""
     values = torch.tensor([float(i) for i in order], dtype=torch.float64)
-    broadcast_once(endpoint, ".order", [("order", values)], planner)
+    broadcast_once(endpoint, ".order", [("order", values)])
     result = [int(v) for v in values.tolist()]
     if sorted(result) != sorted(order):
         raise CommdError(

@@ -57,12 +57,14 @@ class Reducer:
         named: Sequence[tuple[str, torch.nn.Parameter]],
         endpoint: Endpoint,
         planner: str | None,
+        compression: str | None = None,
     ) -> None:
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
         self.dtypes = [grad_dtype(name, param.dtype) for name, param in named]
         self.endpoint = endpoint
         self.planner = planner
+        self.compression = compression
         self.require_sync = True  # no_sync() turns it off
         self._sync_backward = True  # decided at forward, as torch DDP does
         self._observed: dict[int, None] = {}  # first-seen order before registration
@@ -151,7 +153,10 @@ class Reducer:
 
     def _finish(self) -> None:
         """Parameters no rank used keep a None .grad if theirs was None; reset the window."""
-        for bucket in self._buckets:
+        # Top-k would thin the used flags out with the gradients: with compression every
+        # parameter counts as used (its .grad holds zeros or what top-k delivered).
+        buckets = [] if self.compression not in (None, "none") else self._buckets
+        for bucket in buckets:
             unused = (bucket.flags == 0).numpy()
             for position in np.flatnonzero(unused):
                 index = bucket.params[position]
@@ -170,7 +175,7 @@ class Reducer:
         unseen = [i for i in reversed(range(len(self.params))) if i not in self._observed]
         order = seen + unseen  # ready order, first ready first
         if self.endpoint.world_size > 1:
-            order = broadcast_order(self.endpoint, order, self.planner)
+            order = broadcast_order(self.endpoint, order)
         by_dtype: dict[str, list[int]] = {}
         for index in order:
             by_dtype.setdefault(self.dtypes[index], []).append(index)
@@ -192,7 +197,7 @@ class Reducer:
             arrays = client.register(
                 [(USED_LAYER, len(params))]
                 + [(self.names[i], self.params[i].numel()) for i in params],
-                dtype=dtype, op="avg", planner=self.planner,
+                dtype=dtype, op="avg", planner=self.planner, compression=self.compression,
             )
         except BaseException:
             client.close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from commd_protocol import (
 
 from . import env
 from .connection import Connection
+from .cuda import DeviceBuffer, parse_device
 from .dtypes import numpy_dtype
 from .layout import backward_offsets
 from .shm import GradientSegment, segment_name
@@ -70,6 +73,7 @@ class Client:
         self.groups: list[list[int]] = []
         self.nodes = 0
         self._segment: GradientSegment | None = None
+        self._device: DeviceBuffer | None = None  # a device buffer instead of the segment
         self._sizes: list[int] = []
         self._marked: set[int] = set()
         self._failure: CommdError | None = None
@@ -116,6 +120,8 @@ class Client:
             self._connection.close()
             if self._segment is not None:
                 self._segment.close()
+            if self._device is not None:
+                self._device.close()
 
     def __enter__(self) -> Client:
         return self
@@ -137,15 +143,24 @@ class Client:
         op: str = "avg",
         planner: str | None = None,
         compression: str | None = None,
-    ) -> list[np.ndarray]:
+        profile: bool = True,
+        device: str = "cpu",
+    ) -> list[Any]:
         """Register the layers (forward order); block until the job is formed.
 
         Returns one writable 1-D array per layer, all views of one shared buffer laid out in
         backward order. bfloat16 gradients come as uint16 arrays of raw bits. ``planner``
         defaults to $COMMD_PLANNER, else the daemon's default (``optimal``); ``compression``
         (``none``, ``topk:RATIO[:EXCHANGE]``, ``topk:auto``) to $COMMD_COMPRESSION, else none.
+        ``profile=False`` skips the network probe and the profiling rounds: for short jobs
+        that exchange a few times (the plan then uses a default network model).
+
+        ``device="cuda"`` (the current device) or ``"cuda:N"`` puts the flat buffer in device
+        memory instead (needs cupy): the views are then cupy arrays (bfloat16 as uint16),
+        ``ready(..., stream=)`` and ``wait(stream=)`` order the work on CUDA streams, and
+        ``device_pointer`` gives the raw pointer for other frameworks.
         """
-        if self._segment is not None:
+        if self._segment is not None or self._device is not None:
             raise CommdError("commd: register() was already called on this client")
         if dtype not in DTYPES:
             raise CommdError(f"commd: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -153,12 +168,25 @@ class Client:
             raise CommdError(f"commd: unsupported op {op!r}; use one of {', '.join(OPS)}")
         if not layers:
             raise CommdError("commd: register() needs at least one layer")
+        index = None if device == "cpu" else parse_device(device)
         np_dtype = numpy_dtype(dtype)
         self._sizes = [int(size) for _, size in layers]
         total = sum(self._sizes)
-        name = segment_name(self.job, self.rank)
-        self._segment = GradientSegment(name, total * np_dtype.itemsize)
-        flat = np.frombuffer(self._segment.buf, dtype=np_dtype, count=total)
+        flat: Any
+        where: dict[str, Any]
+        if device == "cpu":
+            self._segment = GradientSegment(segment_name(self.job, self.rank),
+                                            total * np_dtype.itemsize)
+            flat = np.frombuffer(self._segment.buf, dtype=np_dtype, count=total)
+            where = {"shm_name": self._segment.name}
+        else:
+            self._device = DeviceBuffer(total, dtype, index)
+            flat = self._device.flat
+            where = {"shm_name": "", "device": "cuda", "device_bus_id": self._device.bus_id,
+                     "device_index": self._device.device_index,
+                     "ipc_handle": self._device.ipc_handle,
+                     "ipc_offset": self._device.ipc_offset,
+                     "event_handle": self._device.event_handle}
         offsets = backward_offsets(self._sizes)
         views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]
         self._connection.send(
@@ -166,9 +194,10 @@ class Client:
                 layers=[Layer(name=name, size=int(size)) for name, size in layers],
                 dtype=dtype,
                 op=op,
-                shm_name=self._segment.name,
                 planner=planner if planner is not None else env.planner(),
                 compression=compression if compression is not None else env.compression(),
+                profile=profile,
+                **where,
             )
         )
         reply = self._connection.receive(self.timeout, "the job to form (every rank to register)")
@@ -176,14 +205,28 @@ class Client:
             raise self._latch(reply)
         if not isinstance(reply, Registered):
             raise CommdError(f"commd: expected registered, got {type(reply).__name__}")
+        if self._device is not None:
+            if not reply.done_event:
+                raise CommdError("commd: the daemon sent no done event: it is too old for "
+                                 "device buffers; upgrade commd")
+            self._device.open_done(reply.done_event)
         self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
         self.flat = flat
         return views
 
+    @property
+    def device_pointer(self) -> int:
+        """The raw device pointer of the flat buffer (0 for a host buffer)."""
+        return int(self.flat.data.ptr) if self._device is not None else 0
+
     # --- iterations ----------------------------------------------------------------------------
 
-    def ready(self, layers: int | Iterable[int]) -> None:
-        """Mark layers' gradients final for this iteration (normally in backward order)."""
+    def ready(self, layers: int | Iterable[int], stream: Any = None) -> None:
+        """Mark layers' gradients final for this iteration (normally in backward order).
+
+        Device buffers: ``stream`` is the CUDA stream that produced the gradients (None:
+        cupy's current stream; a cupy or torch stream or a raw pointer); the daemon's work
+        waits for it on the GPU, never here."""
         self._check_usable("ready()")
         indices = [layers] if isinstance(layers, int | np.integer) else list(layers)
         for index in indices:
@@ -197,11 +240,20 @@ class Client:
                     f"commd: ready({index}) twice in iteration {self.iteration}; "
                     "call wait() before marking it again"
                 )
+        if self._device is not None:
+            self._device.record(stream)
+        elif stream is not None:
+            raise CommdError("commd: ready(stream=) is for device buffers "
+                             "(register(..., device='cuda'))")
         self._marked.update(indices)
-        self._connection.send(Ready(layers=[int(i) for i in indices]))
+        self._connection.send(Ready(layers=[int(i) for i in indices], sent_at=time.monotonic()))
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every layer holds the sum/avg over all ranks for this iteration."""
+    def wait(self, timeout: float | None = None, stream: Any = None) -> None:
+        """Block until every layer holds the sum/avg over all ranks for this iteration.
+
+        Device buffers: returns once the daemon has issued the iteration's work; ``stream``
+        (None: cupy's current one) then waits on the GPU for its end, so whatever is queued
+        on it next reads the reduced gradients."""
         self._check_usable("wait()")
         if len(self._marked) != len(self._sizes):
             missing = sorted(set(range(len(self._sizes))) - self._marked)
@@ -216,6 +268,10 @@ class Client:
             if isinstance(reply, Error):
                 raise self._latch(reply)
             reply = self._connection.receive(budget, f"iteration {self.iteration} to be reduced")
+        if self._device is not None:
+            self._device.wait_done(stream)
+        elif stream is not None:
+            raise CommdError("commd: wait(stream=) is for device buffers")
         self.iteration += 1
         self.plan_version = reply.plan
         self._marked.clear()
@@ -223,7 +279,7 @@ class Client:
     def _check_usable(self, call: str) -> None:
         if self._failure is not None:
             raise self._failure
-        if self._segment is None:
+        if self._segment is None and self._device is None:
             raise CommdError(f"commd: {call} before register()", ErrorCode.OUT_OF_ORDER)
 
     def _latch(self, reply: Error) -> CommdError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 
@@ -18,7 +20,8 @@ from commd_protocol import (
 )
 from commd_protocol.codec import daemon_codec
 
-_POLL_SLICE_MS = 200  # how often a long wait re-checks for a lost daemon
+_POLL_SLICE_MS = 200
+_MONITOR_IDS = itertools.count()  # how often a long wait re-checks for a lost daemon
 
 
 class Connection:
@@ -29,7 +32,10 @@ class Connection:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # A unique monitor endpoint: pyzmq's default is named after the socket's descriptor,
+        # which the next client can reuse before zmq has released the old endpoint.
+        address = f"inproc://commd-monitor-{os.getpid()}-{next(_MONITOR_IDS)}"
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=address)
         self._socket.connect(f"ipc://{socket_path}")
         self._lock = threading.Lock()  # sends may come from autograd threads
         self._connected_once = False
@@ -77,5 +83,6 @@ class Connection:
                 )
 
     def close(self) -> None:
+        self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close(linger=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -41,8 +41,12 @@ class GradientSegment:
         return buf
 
     def close(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             self._shm.unlink()
+        except FileNotFoundError:
+            # The daemon unlinked it first (it cleans up after its jobs): only forget it here,
+            # or the resource tracker reports a leak at exit.
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         # Arrays handed to the user may still view the memory; then the mapping lives on
         # until they are gone.
         with contextlib.suppress(BufferError):

@@ -45,9 +45,10 @@ class DistributedDataParallel(nn.Module):
 
     Keywords are the Client's (each defaults from RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR; COMMD_JOB, COMMD_COORDINATOR, COMMD_SOCKET override), plus
-    ``planner`` (commd's merge planner), ``broadcast_buffers`` (as in torch DDP) and, accepted
-    for compatibility, ``find_unused_parameters`` (always on here) and ``device_ids`` (must be
-    None: CPU only).
+    ``planner`` (commd's merge planner), ``compression`` (``topk:RATIO[:EXCHANGE]`` or
+    ``topk:auto``; default $COMMD_COMPRESSION, else none; with compression every parameter
+    counts as used), ``broadcast_buffers`` (as in torch DDP) and, accepted for compatibility,
+    ``find_unused_parameters`` (always on here) and ``device_ids`` (must be None: CPU only).
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class DistributedDataParallel(nn.Module):
         socket: str | None = None,
         timeout: float = 300.0,
         planner: str | None = None,
+        compression: str | None = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = True,
         device_ids: Sequence[Any] | None = None,
@@ -88,7 +90,7 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel has nothing to reduce"
             )
         # Checks every dtype and installs the hooks; no communication yet.
-        self._reducer = Reducer(trained, self.endpoint, planner)
+        self._reducer = Reducer(trained, self.endpoint, planner, compression)
         self._buffers_sync: Broadcaster | None = None
         self._broadcasters: list[Broadcaster] = []
         self._closed = False
@@ -96,11 +98,11 @@ class DistributedDataParallel(nn.Module):
         self._finalizer = weakref.finalize(self, _close, self._reducer, self._broadcasters)
         try:
             if self.endpoint.world_size > 1:
-                broadcast_once(self.endpoint, ".init", self._state(), planner)
+                broadcast_once(self.endpoint, ".init", self._state())
             has_buffers = any(buffer.numel() for _, buffer in module.named_buffers())
             if broadcast_buffers and has_buffers and self.endpoint.world_size > 1:
                 self._buffers_sync = Broadcaster(
-                    self.endpoint, ".buffers", list(module.named_buffers()), planner
+                    self.endpoint, ".buffers", list(module.named_buffers())
                 )
                 self._broadcasters.append(self._buffers_sync)
         except BaseException:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .ops import BufferOps
+
+# A collective's future resolves to the seconds the collective itself took when the engine
+# measures it (device timing events), else to None (the caller times it from the outside).
+Completion = asyncio.Future[float | None]
 
 
 @dataclass(frozen=True)
@@ -29,9 +37,19 @@ class EngineError(Exception):
 
 class Engine(ABC):
     """Collectives on buffers of one job. Every call returns at once with a future that the
-    event loop awaits; the work runs on the engine's own threads."""
+    event loop awaits; the work runs on the engine's own threads or device streams."""
 
     name: str = ""
+    buffer_kinds: tuple[str, ...] = ("cpu",)  # where the buffers it reduces may live
+
+    def bind(self, ops: BufferOps) -> None:
+        """Share the job's buffer operations before ``start`` (a device engine issues its
+        collectives on their stream); EngineError when this engine cannot take such buffers."""
+        if ops.kind not in self.buffer_kinds:
+            raise EngineError(
+                f"commd: the {self.name} engine reduces {'/'.join(self.buffer_kinds)} buffers, "
+                f"not {ops.kind} ones"
+            )
 
     @classmethod
     @abstractmethod
@@ -43,15 +61,15 @@ class Engine(ABC):
         """Join the group; raises EngineError (also on timeout)."""
 
     @abstractmethod
-    def allreduce(self, buffer: np.ndarray, dtype: str) -> asyncio.Future[None]:
+    def allreduce(self, buffer: Any, dtype: str) -> Completion:
         """Sum ``buffer`` over all nodes, in place."""
 
     @abstractmethod
-    def allgather(self, output: np.ndarray, data: np.ndarray, dtype: str) -> asyncio.Future[None]:
+    def allgather(self, output: Any, data: Any, dtype: str) -> Completion:
         """Concatenate every node's ``data`` (same length) into ``output``, in rank order."""
 
     @abstractmethod
-    def broadcast(self, buffer: np.ndarray, root: int, dtype: str) -> asyncio.Future[None]:
+    def broadcast(self, buffer: Any, root: int, dtype: str) -> Completion:
         """Copy ``root``'s buffer into every node's, in place."""
 
     @abstractmethod
@@ -59,9 +77,11 @@ class Engine(ABC):
         """Leave the group; safe to call twice and after a failure."""
 
 
-def bridge_future(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future[None], object]:
+def bridge_future(
+    loop: asyncio.AbstractEventLoop,
+) -> tuple[Completion, Callable[[BaseException | None], None]]:
     """An asyncio future plus a thread-safe callback that completes it with an error or not."""
-    future: asyncio.Future[None] = loop.create_future()
+    future: Completion = loop.create_future()
 
     def settle(error: BaseException | None) -> None:
         if future.done():

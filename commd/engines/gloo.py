@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Engine, EngineConfig, EngineError, bridge_future
+from .base import Completion, Engine, EngineConfig, EngineError, bridge_future
 
 log = logging.getLogger("commd.engine.gloo")
 
@@ -69,16 +69,16 @@ class GlooEngine(Engine):
         tensor = self._torch.from_numpy(array)
         return tensor.view(self._torch.bfloat16) if dtype == "bfloat16" else tensor
 
-    def _bridge(self, work: Any) -> asyncio.Future[None]:
+    def _bridge(self, work: Any) -> Completion:
         future, settle = bridge_future(asyncio.get_running_loop())
 
         def on_done(torch_future: Any) -> None:
             try:
                 torch_future.value()
             except Exception as exc:
-                settle(EngineError(f"Gloo collective failed: {exc}"))  # type: ignore[operator]
+                settle(EngineError(f"Gloo collective failed: {exc}"))
             else:
-                settle()  # type: ignore[operator]
+                settle(None)
 
         work.get_future().add_done_callback(on_done)
         return future
@@ -88,16 +88,16 @@ class GlooEngine(Engine):
             raise EngineError("the Gloo engine is not started or already closed")
         return self._group
 
-    def allreduce(self, buffer: np.ndarray, dtype: str) -> asyncio.Future[None]:
+    def allreduce(self, buffer: np.ndarray, dtype: str) -> Completion:
         return self._bridge(self._require_group().allreduce([self._tensor(buffer, dtype)]))
 
-    def allgather(self, output: np.ndarray, data: np.ndarray, dtype: str) -> asyncio.Future[None]:
+    def allgather(self, output: np.ndarray, data: np.ndarray, dtype: str) -> Completion:
         work = self._require_group()._allgather_base(
             self._tensor(output, dtype), self._tensor(data, dtype)
         )
         return self._bridge(work)
 
-    def broadcast(self, buffer: np.ndarray, root: int, dtype: str) -> asyncio.Future[None]:
+    def broadcast(self, buffer: np.ndarray, root: int, dtype: str) -> Completion:
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()

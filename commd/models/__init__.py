@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .bert import bert_base
+    from .cnn import small_cnn
     from .registry import (
         DEFAULT_SEQ_LEN,
         MODELS,
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
         num_classes,
     )
     from .resnet import resnet50
-    from .small_cnn import small_cnn
     from .vgg import vgg16
 
 # Kept in step with registry.MODELS (a test checks it), so the CLI can list and validate
@@ -47,7 +47,7 @@ _LAZY = {
     "num_classes": "registry",
     "bert_base": "bert",
     "resnet50": "resnet",
-    "small_cnn": "small_cnn",
+    "small_cnn": "cnn",
     "vgg16": "vgg",
 }
 

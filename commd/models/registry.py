@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .bert import bert_base
+from .cnn import small_cnn
 from .resnet import resnet50
-from .small_cnn import small_cnn
 from .vgg import vgg16
 
 __all__ = [

@@ -3,7 +3,9 @@
 from .codec import MAX_MESSAGE_BYTES, Codec, ProtocolViolation, encode
 from .errors import CommdError, CommdTimeout, ErrorCode, error_from_reply
 from .messages import (
+    DEVICES,
     DTYPES,
+    IPC_HANDLE_BYTES,
     OPS,
     PROTOCOL_VERSION,
     ClientMessage,
@@ -38,7 +40,9 @@ DEFAULT_SOCKET = "/run/commd/commd.sock"
 __all__ = [
     "DEFAULT_PEER_PORT",
     "DEFAULT_SOCKET",
+    "DEVICES",
     "DTYPES",
+    "IPC_HANDLE_BYTES",
     "MAX_MESSAGE_BYTES",
     "OPS",
     "PROTOCOL_VERSION",

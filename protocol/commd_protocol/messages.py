@@ -14,6 +14,10 @@ PROTOCOL_VERSION = 1
 # Dtypes the daemon reduces; bfloat16 travels as raw 16-bit words (numpy has no bfloat16).
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 OPS = ("sum", "avg")
+# Where a rank's flat buffer lives: "cpu" (POSIX shared memory) or "cuda" (device memory shared
+# through a CUDA IPC handle).
+DEVICES = ("cpu", "cuda")
+IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: cudaIpcMemHandle_t and cudaIpcEventHandle_t
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, kw_only=True):
@@ -43,13 +47,25 @@ class Register(_Msg, tag="register"):
     layers: list[Layer]  # forward order
     dtype: str
     op: str
-    shm_name: str  # POSIX shared-memory segment holding the flat buffer (backward order)
+    shm_name: str  # POSIX shared-memory segment holding the flat buffer (backward order); ""
+    # for a device buffer
     planner: str = ""  # "" = the daemon's default (optimal unless configured)
     compression: str = "none"
+    profile: bool = True  # False: no network probe, no profiling rounds (short helper jobs)
+    # --- a device buffer (device == "cuda"); sent once, here ---
+    device: str = "cpu"  # one of DEVICES
+    device_bus_id: str = ""  # PCI bus id of the rank's GPU: indices differ between processes
+    device_index: int = -1  # the GPU's index as the rank sees it (for messages only)
+    ipc_handle: bytes = b""  # cudaIpcMemHandle_t of the allocation holding the flat buffer
+    ipc_offset: int = 0  # byte offset of the flat buffer inside that allocation
+    event_handle: bytes = b""  # cudaIpcEventHandle_t of the rank's interprocess event, recorded
+    # before every ready notification on the stream that produced the gradients
 
 
 class Ready(_Msg, tag="ready"):
     layers: list[int]  # forward-order indices whose gradients are final for this iteration
+    sent_at: float = 0.0  # the client's CLOCK_MONOTONIC seconds at sending (0: not given);
+    # the daemon measures ready-to-launch latency from it (same host, same clock)
 
 
 class Wait(_Msg, tag="wait"):
@@ -78,6 +94,8 @@ class Registered(_Msg, tag="registered"):
     node_index: int
     groups: list[list[int]]  # forward-order layer indices, in communication order
     planner: str
+    done_event: bytes = b""  # device jobs: cudaIpcEventHandle_t of the daemon's completion
+    # event; recorded before every ``done``, the client's stream waits on it
 
 
 class Done(_Msg, tag="done"):

@@ -20,6 +20,8 @@ class PeerJoin(_Msg, tag="peer_join"):
     planner: str
     host: str  # the address this node's engine listens on
     compression: str = "none"
+    profile: bool = True
+    device: str = "cpu"  # where the node's buffers live: every node must agree (one engine)
 
 
 class PeerSetup(_Msg, tag="peer_setup"):
