@@ -17,8 +17,9 @@ from commd_client import Client, CommdError
 
 
 def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
-    """Small integers: exact in every dtype, also after summing a few ranks."""
-    return (rank + 1) * (iteration + 1) + layer + (np.arange(size) % 5)
+    """Small integers: exact in every dtype, also after summing a few ranks. The pattern
+    differs by rank, so that nodes disagree on which elements are largest (top-k)."""
+    return (rank + 1) * (iteration + 1) + layer + (np.arange(size) * (rank + 1) % 5)
 
 
 def to_float(array: np.ndarray, dtype: str) -> list[float]:

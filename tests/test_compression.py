@@ -111,3 +111,12 @@ def test_ddp_with_compression_keeps_ranks_identical(start_daemon) -> None:
     sums = [line.rsplit("checksum", 1)[1].strip() for out in outputs
             for line in out.splitlines() if "done:" in line]
     assert len(sums) == 2 and sums[0] == sums[1], outputs
+
+
+def test_the_model_depends_on_the_leader() -> None:
+    """Guards the exact tests above: with these data, rotating the leader changes results."""
+    sums = [sum(value(r, 0, 0, 40).astype(np.float32) for r in (2 * n, 2 * n + 1))
+            for n in range(2)]
+    led_by_0 = exchange(sums, [np.zeros(40, np.float32)] * 2, 4, "allreduce", iteration=0)
+    led_by_1 = exchange(sums, [np.zeros(40, np.float32)] * 2, 4, "allreduce", iteration=1)
+    assert not np.array_equal(led_by_0, led_by_1)
