@@ -8,6 +8,7 @@ all floating dtypes up to 64 bits, bool, and integers up to 2**53.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,18 +62,8 @@ class Endpoint:
         socket: str | None = None,
         timeout: float = 300.0,
     ) -> Endpoint:
-        return cls(
-            job=job if job is not None else env.job(),
-            rank=rank if rank is not None else env.rank(),
-            world_size=world_size if world_size is not None else env.world_size(),
-            local_rank=local_rank if local_rank is not None else env.local_rank(),
-            local_world_size=(
-                local_world_size if local_world_size is not None else env.local_world_size()
-            ),
-            coordinator=coordinator if coordinator is not None else env.coordinator(),
-            socket=socket if socket is not None else env.socket_path(),
-            timeout=timeout,
-        )
+        who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
+        return cls(**dataclasses.asdict(who), timeout=timeout)
 
     def open(self, suffix: str = "") -> Client:
         """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job)."""

@@ -58,15 +58,10 @@ class Client:
         socket: str | None = None,
         timeout: float = 300.0,
     ) -> None:
-        self.job = job if job is not None else env.job()
-        self.rank = rank if rank is not None else env.rank()
-        self.world_size = world_size if world_size is not None else env.world_size()
-        self.local_rank = local_rank if local_rank is not None else env.local_rank()
-        self.local_world_size = (
-            local_world_size if local_world_size is not None else env.local_world_size()
-        )
-        self.coordinator = coordinator if coordinator is not None else env.coordinator()
-        self.socket = socket if socket is not None else env.socket_path()
+        who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
+        self.job, self.rank, self.world_size = who.job, who.rank, who.world_size
+        self.local_rank, self.local_world_size = who.local_rank, who.local_world_size
+        self.coordinator, self.socket = who.coordinator, who.socket
         self.timeout = timeout
         self.iteration = 0
         self.plan_version = 0  # the merge plan the last iteration ran with

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET, CommdError
 
@@ -70,3 +71,46 @@ def planner() -> str:
 def compression() -> str:
     """COMMD_COMPRESSION, else "none"."""
     return os.environ.get("COMMD_COMPRESSION", "none")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a client is in its job, and where its daemon is."""
+
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    coordinator: str
+    socket: str
+
+
+def resolve(
+    job: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    coordinator: str | None = None,
+    socket: str | None = None,
+) -> Identity:
+    """Every value given, else read from the environment as torchrun sets it."""
+    return Identity(
+        job=job if job is not None else _read_job(),
+        rank=rank if rank is not None else _read_rank(),
+        world_size=world_size if world_size is not None else _read_world_size(),
+        local_rank=local_rank if local_rank is not None else _read_local_rank(),
+        local_world_size=(
+            local_world_size if local_world_size is not None else _read_local_world_size()
+        ),
+        coordinator=coordinator if coordinator is not None else _read_coordinator(),
+        socket=socket if socket is not None else socket_path(),
+    )
+
+
+# resolve()'s parameters shadow the readers of the same names.
+_read_job, _read_rank, _read_world_size = job, rank, world_size
+_read_local_rank, _read_local_world_size, _read_coordinator = (
+    local_rank, local_world_size, coordinator
+)
