@@ -8,7 +8,6 @@ all floating dtypes up to 64 bits, bool, and integers up to 2**53.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,32 +37,11 @@ GPU_MESSAGE = (
 
 
 @dataclass(frozen=True)
-class Endpoint:
-    """Where this rank's clients connect; every field defaults from torchrun's environment."""
+class Endpoint(env.Identity):
+    """Where this rank's clients connect (``env.resolve`` fills it from torchrun's
+    environment), and their timeout."""
 
-    job: str
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    coordinator: str
-    socket: str
-    timeout: float
-
-    @classmethod
-    def resolve(
-        cls,
-        job: str | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        local_rank: int | None = None,
-        local_world_size: int | None = None,
-        coordinator: str | None = None,
-        socket: str | None = None,
-        timeout: float = 300.0,
-    ) -> Endpoint:
-        who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
-        return cls(**dataclasses.asdict(who), timeout=timeout)
+    timeout: float = 300.0
 
     def open(self, suffix: str = "") -> Client:
         """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job)."""

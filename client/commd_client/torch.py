@@ -24,6 +24,7 @@ CUDA models are refused with a CommdError: the GPU path is not available yet. Se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -34,6 +35,7 @@ from torch import nn
 
 from commd_protocol import CommdError
 
+from . import env
 from ._torch_common import GPU_MESSAGE, Broadcaster, Endpoint, broadcast_once, check_cpu
 from ._torch_reducer import Reducer
 
@@ -75,9 +77,8 @@ class DistributedDataParallel(nn.Module):
         check_cpu(module.named_parameters())
         check_cpu(module.named_buffers())
         self.module = module
-        self.endpoint = Endpoint.resolve(
-            job, rank, world_size, local_rank, local_world_size, coordinator, socket, timeout
-        )
+        who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
+        self.endpoint = Endpoint(**dataclasses.asdict(who), timeout=timeout)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_forward_param_sync = True
