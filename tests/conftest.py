@@ -39,7 +39,9 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []
 
     def start(*extra: str, name: str | None = None, env: dict[str, str] | None = None):
-        daemon = DaemonProcess(tmp_path, name or f"d{len(started)}", *extra, env=env)
+        # The CPU tests mean Gloo: on a GPU machine `auto` would pick NCCL.
+        backend = () if "--backend" in extra else ("--backend", "gloo")
+        daemon = DaemonProcess(tmp_path, name or f"d{len(started)}", *backend, *extra, env=env)
         started.append(daemon)
         return daemon
 

@@ -40,7 +40,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon
     started: list[LocalDaemon] = []
     try:
         for name in ("d0", "d1"):
-            started.append(LocalDaemon(workdir, name))
+            started.append(LocalDaemon(workdir, name, "--backend", "gloo"))
         yield started
     finally:
         for daemon in started:
