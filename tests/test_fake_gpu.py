@@ -36,7 +36,7 @@ def no_fake_device_memory_left() -> Iterator[None]:
 
 
 def test_two_ranks_through_device_buffers(start_daemon: Any) -> None:
-    daemon = start_daemon(env=FAKE)
+    daemon = start_daemon("--backend", "auto", env=FAKE)
     assert "chose nccl (NCCL 2.21.5, 1 GPU(s))" in daemon.log()
     results = run_job("fake-two", [daemon], 2, iterations=6, env=FAKE)
     assert_exact(results, 6)
@@ -47,13 +47,13 @@ def test_two_ranks_through_device_buffers(start_daemon: Any) -> None:
 @pytest.mark.parametrize(("dtype", "op"), [("bfloat16", "avg"), ("float16", "sum"),
                                            ("float64", "avg")])
 def test_dtypes_and_ops(start_daemon: Any, dtype: str, op: str) -> None:
-    daemon = start_daemon(env=FAKE)
+    daemon = start_daemon("--backend", "auto", env=FAKE)
     results = run_job(f"fake-{dtype}", [daemon], 3, dtype=dtype, op=op, iterations=3, env=FAKE)
     assert_exact(results, 3, op, dtype)
 
 
 def test_a_dead_rank_fails_the_others(start_daemon: Any) -> None:
-    daemon = start_daemon(env=FAKE)
+    daemon = start_daemon("--backend", "auto", env=FAKE)
     results = run_job("fake-dies", [daemon], 2, iterations=6, overrides={1: {"die_at": 2}},
                       timeout=30, env=FAKE)
     assert results[1]["returncode"] == 17

@@ -120,7 +120,7 @@ def test_nccl_engine_on_one_rank() -> None:
 
 
 def test_two_ranks_share_one_gpu_exactly(start_daemon: Any) -> None:
-    daemon = start_daemon()
+    daemon = start_daemon("--backend", "nccl")
     results = run_job("gpu-two", [daemon], 2, iterations=50)
     assert_exact(results, 50)
     assert "backend nccl" in daemon.log() or "nccl" in daemon.log()
@@ -129,13 +129,13 @@ def test_two_ranks_share_one_gpu_exactly(start_daemon: Any) -> None:
 @pytest.mark.parametrize(("dtype", "op"), [("bfloat16", "avg"), ("float16", "sum"),
                                            ("float64", "avg"), ("float32", "avg")])
 def test_dtypes_and_ops_on_one_gpu(start_daemon: Any, dtype: str, op: str) -> None:
-    daemon = start_daemon()
+    daemon = start_daemon("--backend", "nccl")
     results = run_job(f"gpu-{dtype}-{op}", [daemon], 3, dtype=dtype, op=op, iterations=5)
     assert_exact(results, 5, op, dtype)
 
 
 def test_a_dead_rank_fails_the_others(start_daemon: Any) -> None:
-    daemon = start_daemon()
+    daemon = start_daemon("--backend", "nccl")
     results = run_job("gpu-dies", [daemon], 2, iterations=10, overrides={1: {"die_at": 3}},
                       timeout=60)
     assert results[1]["returncode"] == 17
