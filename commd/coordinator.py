@@ -23,7 +23,7 @@ from commd_protocol import (
     PeerSetup,
 )
 
-from .jobs import describe_difference
+from .agreement import describe_difference
 from .replanner import Replanner
 
 log = logging.getLogger("commd.coordinator")

@@ -35,6 +35,7 @@ from commd_protocol import (
 )
 
 from . import buffers
+from .agreement import describe_difference
 from .compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from .compression.topk import parse_compression
 from .engines import Engine, EngineConfig, EngineError, create_engine
@@ -528,28 +529,3 @@ class Job:
             "device": reg.device if reg else None,
             "ready_to_launch": pipeline.ready_to_launch.summary() if pipeline else None,
         }
-
-
-def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:
-    """'' when two registrations agree, else the first difference in words."""
-    if a.dtype != b.dtype:
-        return f"dtype {a.dtype} vs {b.dtype}"
-    if a.op != b.op:
-        return f"op {a.op} vs {b.op}"
-    if a.planner != b.planner:
-        return f"planner {a.planner!r} vs {b.planner!r}"
-    if a.compression != b.compression:
-        return f"compression {a.compression!r} vs {b.compression!r}"
-    if a.device != b.device:
-        return f"buffers on {a.device} vs {b.device}"
-    if a.profile != b.profile:
-        return f"profile {a.profile} vs {b.profile}"
-    for index, (left, right) in enumerate(zip(a.layers, b.layers, strict=False)):
-        if left != right:
-            return (
-                f"first differing layer is {index}: {left.name!r} ({left.size} elements) vs "
-                f"{right.name!r} ({right.size} elements)"
-            )
-    if len(a.layers) != len(b.layers):
-        return f"{len(a.layers)} layers vs {len(b.layers)} layers"
-    return ""

@@ -1,0 +1,33 @@
+"""Whether two registrations of one job agree: the first difference, in words.
+
+Used twice: by a node for its local ranks, and by the coordinator across nodes.
+"""
+
+from __future__ import annotations
+
+from commd_protocol import PeerJoin, Register
+
+
+def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:
+    """'' when two registrations agree, else the first difference in words."""
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype} vs {b.dtype}"
+    if a.op != b.op:
+        return f"op {a.op} vs {b.op}"
+    if a.planner != b.planner:
+        return f"planner {a.planner!r} vs {b.planner!r}"
+    if a.compression != b.compression:
+        return f"compression {a.compression!r} vs {b.compression!r}"
+    if a.device != b.device:
+        return f"buffers on {a.device} vs {b.device}"
+    if a.profile != b.profile:
+        return f"profile {a.profile} vs {b.profile}"
+    for index, (left, right) in enumerate(zip(a.layers, b.layers, strict=False)):
+        if left != right:
+            return (
+                f"first differing layer is {index}: {left.name!r} ({left.size} elements) vs "
+                f"{right.name!r} ({right.size} elements)"
+            )
+    if len(a.layers) != len(b.layers):
+        return f"{len(a.layers)} layers vs {len(b.layers)} layers"
+    return ""
