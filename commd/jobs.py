@@ -304,9 +304,8 @@ class Job:
         if self.state != "starting":
             return
         self.pipeline = self._make_pipeline()
-        profiled = self.ranks[min(self.ranks)].registration
         try:
-            probe = await self.pipeline.probe() if profiled and profiled.profile else []
+            probe = await self.pipeline.probe() if self._first_registration().profile else []
         except EngineError as exc:
             self.fail(ErrorCode.ENGINE, f"network probe failed: {exc}")
             return
@@ -316,8 +315,7 @@ class Job:
 
     def _make_pipeline(self) -> Pipeline:
         members = sorted(self.ranks.values(), key=lambda r: r.local_rank)
-        reg = members[0].registration
-        assert reg is not None
+        reg = self._first_registration()
         self.profiler = NodeProfiler(len(reg.layers))
         return Pipeline(
             sizes=[layer.size for layer in reg.layers],
@@ -377,8 +375,7 @@ class Job:
         self.measured_comm_s = record.exposed_comm_s
         self.recent_iterations_s = [*self.recent_iterations_s[-99:], record.iteration_s]
         self.gain = record.gain
-        reg = self.ranks[min(self.ranks)].registration
-        if (record.iteration + 1) % REPORT_EVERY or (reg is not None and not reg.profile):
+        if (record.iteration + 1) % REPORT_EVERY or not self._first_registration().profile:
             return
         summary = self.profiler.summary()
         self.pipeline.expect_decision(record.iteration + 1 + DECISION_LAG)
