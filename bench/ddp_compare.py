@@ -104,16 +104,22 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
     x, y = synthetic_batch(spec["model"], spec["rank"], spec["batch"])
     times = []
+    phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer step
     for _ in range(spec["warmup"] + spec["steps"]):
         start = time.perf_counter()
         optimizer.zero_grad()
-        F.cross_entropy(wrapped(x), y).backward()
+        loss = F.cross_entropy(wrapped(x), y)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - start)
+        phases.append((forward - start, backward - forward, start + times[-1] - backward))
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     close()
     measured = times[spec["warmup"]:]
-    return {"mean_ms": 1e3 * statistics.fmean(measured),
+    split = [1e3 * statistics.fmean(p[i] for p in phases[spec["warmup"]:]) for i in range(3)]
+    return {"mean_ms": 1e3 * statistics.fmean(measured), "phases_ms": split,
             "median_ms": 1e3 * statistics.median(measured), "checksum": checksum}
 
 
@@ -169,16 +175,25 @@ def daemons(nodes: Sequence[Node], workdir: str) -> Iterator[None]:
                     node.daemon.wait()
 
 
-def run_job(impl: str, model: str, nodes: Sequence[Node], args: argparse.Namespace,
+def model_and_batch(entry: str, args: argparse.Namespace) -> tuple[str, int]:
+    """``deep_mlp`` or ``deep_mlp@256`` (that batch size per rank)."""
+    name, _, batch = entry.partition("@")
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    return name, int(batch) if batch else args.batch_size or MODELS[name][1]
+
+
+def run_job(impl: str, entry: str, nodes: Sequence[Node], args: argparse.Namespace,
             tag: str) -> dict[str, Any]:
     """One job of len(nodes) ranks; returns rank 0's timings and whether the ranks agree."""
     port = free_port() if nodes[0].host == "127.0.0.1" else 29000 + os.getpid() % 1000
+    model, batch = model_and_batch(entry, args)
     job = f"bench-{tag.replace(' ', '-')}-{model}-{impl}-{os.getpid()}-{next(_JOBS)}"
     processes = []
     for rank, node in enumerate(nodes):
         spec = {
             "impl": impl, "model": model, "rank": rank, "world_size": len(nodes),
-            "batch": args.batch_size or MODELS[model][1], "warmup": args.warmup,
+            "batch": batch, "warmup": args.warmup,
             "steps": args.steps, "threads": args.threads, "planner": args.planner,
             "timeout": args.timeout, "job": job,
             "coordinator": nodes[0].address, "socket": node.socket,
@@ -230,9 +245,11 @@ def compare(link: str, nodes: Sequence[Node], models: Sequence[str],
                     means[impl].append(result["mean_ms"])
                     agree = agree and result["agree"]
                     print(f"  {link} {model} #{repeat + 1} {impl}: {result['mean_ms']:.1f} ms "
-                          f"per step (median {result['median_ms']:.1f})", flush=True)
+                          f"per step (median {result['median_ms']:.1f}; forward/backward/step "
+                          f"{'/'.join(f'{t:.1f}' for t in result['phases_ms'])})", flush=True)
             torch_ms, commd_ms = (statistics.median(means[i]) for i in ("torch", "commd"))
-            rows.append([link, model, f"{torch_ms:.1f}", f"{commd_ms:.1f}",
+            name, batch = model_and_batch(model, args)
+            rows.append([link, f"{name}, batch {batch}", f"{torch_ms:.1f}", f"{commd_ms:.1f}",
                          f"{commd_ms / torch_ms:.2f}", "yes" if agree else "NO"])
     shutil.rmtree(workdir, ignore_errors=True)
     return rows
@@ -244,12 +261,16 @@ def loopback_nodes(count: int) -> list[Node]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="measured steps (default 30)")
-    parser.add_argument("--warmup", type=int, default=30, help="unmeasured first steps")
+    parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
+    parser.add_argument("--warmup", type=int, default=100,
+                        help="unmeasured first steps (default 100: commd's plan search "
+                             "measures a few plans for 10 steps each first)")
     parser.add_argument("--rate", default="1gbit", help="limited link's tbf rate (1gbit)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--loopback-models", default="small_cnn,deep_mlp")
-    parser.add_argument("--limited-models", default="deep_mlp")
+    parser.add_argument("--loopback-models", default="small_cnn,deep_mlp",
+                        help="comma-separated; MODEL@BATCH sets that row's batch size")
+    parser.add_argument("--limited-models", default="deep_mlp,deep_mlp@256",
+                        help="comma-separated; MODEL@BATCH sets that row's batch size")
     parser.add_argument("--batch-size", type=int, default=0,
                         help="per-rank batch for every model (default: each model's own)")
     parser.add_argument("--skip-loopback", action="store_true")

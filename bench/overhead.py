@@ -61,6 +61,17 @@ def resnet50_layers() -> list[tuple[str, int]]:
     return layers
 
 
+def deep_mlp_layers() -> list[tuple[str, int]]:
+    """bench/ddp_compare.py's deep_mlp in backward order: 48 x (bias 256, weight 65,536)."""
+    layers = []
+    for index in reversed(range(48)):
+        layers += [(f"{index}.bias", 256), (f"{index}.weight", 256 * 256)]
+    return layers
+
+
+MODELS = {"resnet50": resnet50_layers, "deep_mlp": deep_mlp_layers}
+
+
 # --- worker processes: this file, re-run with --worker; one line of JSON per command ------------
 
 
@@ -449,6 +460,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="commd vs raw Gloo: ResNet-50's gradients through two daemons "
                     "vs one allreduce of the same bytes (see the module docstring)"
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet50",
+                        help="whose gradient tensors: resnet50 (161, 102 MB) or deep_mlp "
+                             "(48 x Linear(256, 256): 96 tensors, 12.8 MB)")
     parser.add_argument("--iterations", type=int, default=30, help="measured iterations")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up iterations, not timed")
     parser.add_argument("--repeats", type=int, default=3,
@@ -473,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(*args.worker)
-    layers = resnet50_layers()
+    layers = MODELS[args.model]()
     modes = ["all", "each"] if args.ready == "both" else [args.ready]
     signal.signal(signal.SIGTERM, _interrupt)
     info = machine()

@@ -140,6 +140,7 @@ class Coordinator:
             beta_s_per_byte=decision.cost.beta_s_per_byte,
             predicted_comm_s=decision.predicted_comm_s, reason=decision.reason,
             exchanges=decision.exchanges, ratio=decision.ratio,
+            overhead_s=decision.overhead_s, search=decision.search,
         )
         for member in formation.joins:
             self._send(member, message)

@@ -70,6 +70,7 @@ class LocalRank:
     buffer: Any = None  # numpy array (shared memory) or cupy array (device memory)
     registration: Register | None = None
     waiting: int | None = None  # the iteration this rank waits for
+    told_plan: int = 0  # the plan whose groups this rank was last sent (it batches by them)
     left: bool = False
 
 
@@ -358,9 +359,11 @@ class Job:
         self.state = "running"
         reply = Registered(
             nodes=self.setup.nodes, node_index=self.setup.node_index, groups=decision.groups,
-            planner=self.setup.planner, done_event=self.ops.done_event if self.ops else b"",
+            planner=self.setup.planner, plan=decision.version,
+            done_event=self.ops.done_event if self.ops else b"",
         )
         for member in self.ranks.values():
+            member.told_plan = decision.version
             self.ctx.send_client(member.identity, reply)
         log.info(
             "job %s running: node %d of %d, %d local ranks, %d groups (%s)",
@@ -384,11 +387,13 @@ class Job:
             iteration=record.iteration, ready_offsets_s=summary.ready_offsets_s,
             comm=summary.comm, measured_comm_s=summary.exposed_comm_s,
             iteration_s=summary.iteration_s, gains=summary.gains,
+            plan=summary.plan, step_s=summary.step_s,
         ))
 
     # --- iterations ------------------------------------------------------------------------------
 
-    def ready(self, member: LocalRank, layers: list[int], sent_at: float = 0.0) -> None:
+    def ready(self, member: LocalRank, layers: list[int], sent_at: float = 0.0,
+              stamps: list[float] | None = None) -> None:
         if self.state != "running" or self.pipeline is None:
             raise JobError(
                 f"ready before the job is formed (job {self.id!r} is {self.state})",
@@ -399,7 +404,7 @@ class Job:
             self.fail(ErrorCode.RANK_LOST, f"rank(s) {gone} closed; the job cannot go on")
             return
         try:
-            self.pipeline.mark(member.local_rank, layers, sent_at)
+            self.pipeline.mark(member.local_rank, layers, sent_at, stamps)
         except ReadyError as exc:
             raise JobError(str(exc)) from None
 
@@ -411,7 +416,7 @@ class Job:
             )
         if iteration < self.pipeline.iteration:
             version = self.pipeline.plan.version if self.pipeline.plan else 0
-            self.ctx.send_client(member.identity, Done(iteration=iteration, plan=version))
+            self.ctx.send_client(member.identity, self._done(member, iteration, version))
         elif iteration == self.pipeline.iteration:
             member.waiting = iteration
         else:
@@ -424,7 +429,20 @@ class Job:
         for member in self.ranks.values():
             if member.waiting == iteration:
                 member.waiting = None
-                self.ctx.send_client(member.identity, Done(iteration=iteration, plan=plan_version))
+                self.ctx.send_client(member.identity,
+                                     self._done(member, iteration, plan_version))
+
+    def _done(self, member: LocalRank, iteration: int, plan_version: int) -> Done:
+        """The reply to a wait, with the next iteration's groups if this rank lacks them."""
+        assert self.pipeline is not None
+        upcoming = self.pipeline.upcoming_plan(iteration + 1)
+        if upcoming is None:
+            return Done(iteration=iteration, plan=plan_version)
+        groups = None
+        if member.told_plan != upcoming.version:
+            member.told_plan, groups = upcoming.version, upcoming.groups
+        return Done(iteration=iteration, plan=plan_version, next_plan=upcoming.version,
+                    next_groups=groups)
 
     # --- failure and departure -------------------------------------------------------------------
 
@@ -508,10 +526,13 @@ class Job:
             "plan_version": pipeline.plan.version if pipeline and pipeline.plan else None,
             "groups": pipeline.plan.groups if pipeline and pipeline.plan else [],
             "plan_history": pipeline.plan_history if pipeline else [],
+            "ready_messages": pipeline.notifications if pipeline else 0,
             "plan_reason": plan.reason if plan else None,
             "alpha_s": plan.alpha_s if plan else None,
             "beta_s_per_byte": plan.beta_s_per_byte if plan else None,
             "predicted_comm_s": plan.predicted_comm_s if plan else None,
+            "plan_overhead_s": plan.overhead_s if plan else None,
+            "plan_search": plan.search if plan else None,
             "measured_comm_s": self.measured_comm_s,
             "compression": reg.compression if reg else None,
             "ratio": pipeline.plan.ratio if pipeline and pipeline.plan else None,

@@ -101,6 +101,7 @@ class Pipeline:
         self._on_failure = on_failure
         self._marked = np.zeros((len(self.buffers), len(self.sizes)), dtype=bool)
         self._count = np.zeros(len(self.sizes), dtype=np.int64)
+        # CLOCK_MONOTONIC time each layer became ready on this node (the latest local rank's)
         self._ready_at = np.zeros(len(self.sizes), dtype=np.float64)
         # CLOCK_MONOTONIC send time of the notification that completed each layer (0: unknown)
         self._sent_at = np.zeros(len(self.sizes), dtype=np.float64)
@@ -117,6 +118,8 @@ class Pipeline:
         self.plan_history: list[dict[str, int]] = []
         self._task: asyncio.Task[None] | None = None
         self._last_wire_end = 0.0
+        self.notifications = 0  # ready messages received (clients batch them per group)
+        self._last_finished = 0.0  # when the previous iteration's record was finished
         self._exchange = GroupExchange(engine, executor, node_index, nodes, dtype)
         # Error-feedback residuals of the node's sums, zero at the start; only when compressing.
         self.residual = np.zeros_like(self.buffers[0]) if compressed else None
@@ -144,12 +147,17 @@ class Pipeline:
 
     # --- readiness (from the control plane) ------------------------------------------------------
 
-    def mark(self, local_index: int, layers: Sequence[int], sent_at: float = 0.0) -> None:
+    def mark(self, local_index: int, layers: Sequence[int], sent_at: float = 0.0,
+             stamps: Sequence[float] | None = None) -> None:
         """Record ready layers of one local rank; raise ReadyError and change nothing if bad.
-        ``sent_at``: the client's CLOCK_MONOTONIC time of sending (0: not given)."""
+        ``sent_at``: the client's CLOCK_MONOTONIC time of sending (0: not given); ``stamps``:
+        when each layer became ready, on the same clock (empty: now)."""
+        if stamps and len(stamps) != len(layers):
+            raise ReadyError(f"{len(stamps)} stamps for {len(layers)} layers")
+        self.notifications += 1
         row = self._marked[local_index]
-        if len(layers) == 1:  # the common case: one ready per layer, no numpy fancy indexing
-            self._mark_one(row, layers[0], sent_at)
+        if len(layers) == 1:  # one ready per layer, no numpy fancy indexing
+            self._mark_one(row, layers[0], sent_at, stamps[0] if stamps else time.monotonic())
             return
         for layer in layers:
             if not 0 <= layer < row.size:
@@ -163,13 +171,14 @@ class Pipeline:
             )
         row[chosen] = True
         self._count[chosen] += 1
+        # A layer is ready when the last local rank's gradient is: keep the latest stamp.
+        np.maximum.at(self._ready_at, chosen, stamps if stamps else time.monotonic())
         complete = [x for x in chosen if self._count[x] == len(self.buffers)]
         if complete:
-            self._ready_at[complete] = time.perf_counter()
             self._sent_at[complete] = sent_at
             self._changed.set()
 
-    def _mark_one(self, row: np.ndarray, layer: int, sent_at: float) -> None:
+    def _mark_one(self, row: np.ndarray, layer: int, sent_at: float, stamp: float) -> None:
         if not 0 <= layer < row.size:
             raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
         if row[layer]:
@@ -179,8 +188,8 @@ class Pipeline:
             )
         row[layer] = True
         self._count[layer] += 1
+        self._ready_at[layer] = max(self._ready_at[layer], stamp)
         if self._count[layer] == len(self.buffers):
-            self._ready_at[layer] = time.perf_counter()
             self._sent_at[layer] = sent_at
             self._changed.set()
 
@@ -189,6 +198,14 @@ class Pipeline:
         return bool(self._count.any())
 
     # --- execution -------------------------------------------------------------------------------
+
+    def upcoming_plan(self, iteration: int) -> Plan | None:
+        """The plan ``iteration`` will run with, as far as known now (None: undecided)."""
+        if iteration in self._scheduled:
+            return self._scheduled[iteration]
+        if iteration in self._required or iteration < self.iteration:
+            return None
+        return self.plan
 
     async def _run(self) -> None:
         try:
@@ -234,9 +251,10 @@ class Pipeline:
         self.iteration += 1
         self._marked[:] = False
         self._count[:] = 0
+        self._ready_at[:] = 0.0
         if not self.ops.stream_ordered:
             self._on_record(self._record(plan, done, ready_at, samples, gain,
-                                         time.perf_counter()))
+                                         time.monotonic()))
             self._on_complete(done, plan.version)
             return
         # Device: everything is issued. The clients' streams wait on the done event; the
@@ -251,7 +269,11 @@ class Pipeline:
     def _record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
                 samples: list[CommSample], gain: float, finished: float) -> IterationRecord:
         start = float(ready_at.min())
+        period = finished - self._last_finished if self._last_finished else 0.0
+        self._last_finished = finished
         return IterationRecord(
+            plan=plan.version,
+            period_s=period,
             gain=gain,
             ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
             iteration=iteration,
@@ -270,7 +292,7 @@ class Pipeline:
                 with contextlib.suppress(Exception):  # its failure was reported already
                     await previous
             await asyncio.gather(*pending)
-            finished = time.perf_counter()
+            finished = time.monotonic()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -9,6 +9,7 @@ when the job starts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class IterationRecord:
     iteration_s: float
     gain: float = 1.0  # compression gain ‖sent‖²/‖E‖² (1: dense)
     ratio: float = 1.0  # top-k ratio used (1: dense)
+    plan: int = 0  # the plan version the iteration ran with
+    period_s: float = 0.0  # since the previous iteration finished (0: first): the step time
 
 
 def fit_cost(samples: Sequence[tuple[int, float]]) -> LinearCost | None:
@@ -143,6 +146,8 @@ class RoundSummary:
     exposed_comm_s: float
     iteration_s: float
     gains: list[list[float]]  # [ratio, mean gain] per ratio used (compressed rounds only)
+    plan: int = 0  # the plan version of the round's last iteration
+    step_s: float = 0.0  # median step time under that plan (0: fewer than two iterations)
 
 
 @dataclass
@@ -160,6 +165,10 @@ class NodeProfiler:
         records, self.records = self.records, []
         if not records:
             return RoundSummary([], [], 0.0, 0.0, [])
+        plan = records[-1].plan
+        # Periods that began and ended under the round's last plan.
+        periods = [r.period_s for before, r in itertools.pairwise(records)
+                   if before.plan == r.plan == plan and r.period_s > 0]
         offsets = np.median(np.stack([r.ready_offsets_s for r in records]), axis=0)
         return RoundSummary(
             ready_offsets_s=[float(x) for x in offsets],
@@ -168,6 +177,8 @@ class NodeProfiler:
             exposed_comm_s=float(np.mean([r.exposed_comm_s for r in records])),
             iteration_s=float(np.mean([r.iteration_s for r in records])),
             gains=_gains_by_ratio(records),
+            plan=plan,
+            step_s=float(np.median(periods)) if periods else 0.0,
         )
 
 

@@ -25,6 +25,7 @@ from .compression.planning import (
     pick_ratio,
 )
 from .compression.topk import CompressionSpec, parse_compression
+from .plan_search import PlanSearch
 from .planner import LinearCost, evaluate, plan_with
 from .profiler import (
     DECISION_LAG,
@@ -39,6 +40,7 @@ from .profiler import (
 DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a re-plan
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement
 GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
+SEARCHED_PLANNERS = ("optimal", "mgwfbp")  # the planners whose plans depend on a
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class Decision:
     reason: str
     exchanges: list[str] = field(default_factory=list)
     ratio: float = 0.0
+    overhead_s: float = 0.0  # the plan search's per-group overhead in the planning cost
+    search: str = "off"  # the plan search's state: off, measuring, done
 
 
 @dataclass
@@ -68,11 +72,16 @@ class Replanner:
     planning_cost: LinearCost | None = None
     backward_s: list[float] = field(default_factory=list)
     gains: list[tuple[float, float]] = field(default_factory=list)  # (ratio, gain)
+    search: PlanSearch = field(default_factory=PlanSearch)
     _spec: CompressionSpec | None = None
     _ratio_basis: tuple[float, float, float] | None = None  # α, β, gain at the last solve
 
     def __post_init__(self) -> None:
         self._spec = parse_compression(self.compression)
+        # Only plans that depend on a can be tuned by measuring; compressed jobs keep their
+        # ratio exploration free of a second search.
+        self.search.enabled = (self.planner in SEARCHED_PLANNERS and self.nodes > 1
+                               and self._spec is None)
 
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
         """The plan for the round all ``reports`` (one per node) belong to."""
@@ -85,12 +94,12 @@ class Replanner:
         self.gains = self.gains[-GAIN_MEMORY:]
         reason = self._why_replan(cost, backward)
         ratio, ratio_reason = self._choose_ratio(cost)
-        if ratio_reason:
-            reason = ", ".join(x for x in (reason, ratio_reason) if x)
+        search_reason = self._search(reports, cost, backward)
+        reason = ", ".join(x for x in (reason, ratio_reason, search_reason) if x)
         if reason:
             previous = (self.groups, self.exchanges, self.ratio)
             self.cost, self.backward_s, self.ratio = cost, backward, ratio
-            groups, exchanges, self.planning_cost = self._plan()
+            groups, exchanges, self.planning_cost = self._plan(cost, backward)
             if (groups, exchanges, ratio) != previous:
                 self.version += 1
                 self.groups, self.exchanges = groups, exchanges
@@ -100,7 +109,24 @@ class Replanner:
         effective = 0 if round_number == 0 else last + 1 + DECISION_LAG
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, reason or "no drift", self.exchanges,
-                        self.ratio)
+                        self.ratio, self.search.overhead_s, self.search.state)
+
+    # --- measuring plans ------------------------------------------------------------------------
+
+    def _search(self, reports: Sequence[PeerProfile], cost: LinearCost,
+                backward: list[float]) -> str:
+        """Feed the plan search the round's step time, if the whole round ran our plan."""
+        # Round 1 ran the plan made before any backward profile: not a fair trial.
+        if reports[0].round < 2 or not self.groups:
+            return ""
+        if any(r.plan != self.version or r.step_s <= 0 for r in reports):
+            return ""
+        step_s = float(np.mean([r.step_s for r in reports]))
+
+        def plan_for(overhead_s: float) -> list[list[int]]:
+            return self._plan(cost, backward, overhead_s)[0]
+
+        return self.search.observe(self.groups, step_s, cost.alpha_s, plan_for)
 
     # --- the network and the backward profile ------------------------------------------------
 
@@ -144,20 +170,22 @@ class Replanner:
     def _elements(self, group: Sequence[int]) -> int:
         return max(1, sum(self.sizes_bytes[i] for i in group) // self.itemsize)
 
-    def _plan(self) -> tuple[list[list[int]], list[str], LinearCost]:
-        """Groups, per-group exchanges and the cost the plan was made with."""
-        assert self.cost is not None
+    def _plan(self, measured: LinearCost, backward: list[float],
+              overhead_s: float | None = None) -> tuple[list[list[int]], list[str], LinearCost]:
+        """Groups, per-group exchanges and the cost the plan was made with (the measured a
+        plus the plan search's per-group overhead)."""
+        overhead = self.search.overhead_s if overhead_s is None else overhead_s
+        planning = LinearCost(measured.alpha_s + overhead, measured.beta_s_per_byte)
         spec = self._spec
         if spec is None:
-            return plan_with(self.planner, self.sizes_bytes, self.backward_s, self.cost), [], \
-                self.cost
-        link = link_cost(self.cost, self.nodes)
+            return plan_with(self.planner, self.sizes_bytes, backward, planning), [], planning
+        link = link_cost(measured, self.nodes)
         best: tuple[float, list[list[int]], LinearCost] | None = None
         for exchange in ([spec.exchange] if spec.exchange != "auto"
                          else ["allgather", "allreduce"]):
             cost = compressed_cost(exchange, self.nodes, link, self.ratio, self.itemsize)
-            groups = plan_with(self.planner, self.sizes_bytes, self.backward_s, cost)
-            iteration = evaluate(groups, self.sizes_bytes, self.backward_s, cost).iteration_s
+            groups = plan_with(self.planner, self.sizes_bytes, backward, cost)
+            iteration = evaluate(groups, self.sizes_bytes, backward, cost).iteration_s
             if best is None or iteration < best[0]:
                 best = (iteration, groups, cost)
         assert best is not None

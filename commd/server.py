@@ -239,7 +239,7 @@ class Daemon:
         elif isinstance(message, Ready):
             if member.registration is None:
                 raise JobError("ready before register", ErrorCode.OUT_OF_ORDER)
-            job.ready(member, message.layers, message.sent_at)
+            job.ready(member, message.layers, message.sent_at, message.stamps)
         elif isinstance(message, Wait):
             if member.registration is None:
                 raise JobError("wait before register", ErrorCode.OUT_OF_ORDER)

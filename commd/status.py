@@ -93,6 +93,11 @@ def _details(job: dict[str, Any]) -> list[str]:
             f"{job.get('measured_comm_s', 0.0) * 1e3:.2f} ms; plan v{job.get('plan_version')} "
             f"({job.get('plan_reason')})"
         )
+    if job.get("plan_search") not in (None, "off"):
+        lines.append(
+            f"{name}: plan search {job['plan_search']}: per-group overhead "
+            f"{(job.get('plan_overhead_s') or 0.0) * 1e6:.0f} µs added to a"
+        )
     if job.get("compression") not in (None, "none"):
         kinds = job.get("exchanges") or []
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))

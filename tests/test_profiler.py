@@ -163,3 +163,17 @@ def test_topk_auto_explores_then_solves_on_the_pareto_front() -> None:
     assert explored[:3] == [0.1, 0.01, 0.001]  # exploration first
     assert 0.001 <= explored[-1] <= 0.1 and explored[-1] not in (0.1, 0.01, 0.001)
     assert "Pareto" in decision.reason or decision.reason == "no drift"
+
+
+def test_node_profiler_step_time_counts_only_the_last_plan() -> None:
+    profiler = NodeProfiler(layers=1)
+    for plan, period in ((1, 0.10), (1, 0.10), (2, 0.50), (2, 0.20), (2, 0.22)):
+        profiler.add(IterationRecord(iteration=0, ready_offsets_s=np.zeros(1), comm=[],
+                                     exposed_comm_s=0.0, iteration_s=0.0, plan=plan,
+                                     period_s=period))
+    summary = profiler.summary()
+    # 0.50 began under plan 1 (the switch): only the periods wholly under plan 2 count.
+    assert summary.plan == 2 and summary.step_s == pytest.approx(0.21)
+    profiler.add(IterationRecord(iteration=0, ready_offsets_s=np.zeros(1), comm=[],
+                                 exposed_comm_s=0.0, iteration_s=0.0, plan=3, period_s=0.3))
+    assert profiler.summary().step_s == 0.0  # one iteration: no whole period under plan 3

@@ -62,6 +62,8 @@ def sample(kind: Any, name: str) -> Any:
         return {"nested": [1, "two", 3.5, None, True, {"deeper": []}]}
     if isinstance(kind, mi.StructType):
         return build(kind.cls)
+    if isinstance(kind, mi.UnionType):  # an optional field: a value of its non-None type
+        return sample(next(t for t in kind.types if not isinstance(t, mi.NoneType)), name)
     raise AssertionError(f"add a sample for {kind!r} (field {name})")
 
 

@@ -30,6 +30,7 @@ from commd_protocol import (
 )
 
 from . import env
+from .batching import ReadyBatcher
 from .connection import Connection
 from .cuda import DeviceBuffer, parse_device
 from .dtypes import numpy_dtype
@@ -71,6 +72,7 @@ class Client:
         self._device: DeviceBuffer | None = None  # a device buffer instead of the segment
         self._sizes: list[int] = []
         self._marked: set[int] = set()
+        self._batch = ReadyBatcher(0)
         self._failure: CommdError | None = None
         self._closed = False
         self._connection = Connection(self.socket)
@@ -206,6 +208,8 @@ class Client:
                                  "device buffers; upgrade commd")
             self._device.open_done(reply.done_event)
         self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
+        self._batch = ReadyBatcher(len(self._sizes))
+        self._batch.announce(reply.plan, reply.groups)
         self.flat = flat
         return views
 
@@ -241,7 +245,13 @@ class Client:
             raise CommdError("commd: ready(stream=) is for device buffers "
                              "(register(..., device='cuda'))")
         self._marked.update(indices)
-        self._connection.send(Ready(layers=[int(i) for i in indices], sent_at=time.monotonic()))
+        if self._batch.add([int(i) for i in indices]):
+            self._send_ready()
+
+    def _send_ready(self) -> None:
+        layers, stamps = self._batch.take()
+        if layers:
+            self._connection.send(Ready(layers=layers, sent_at=time.monotonic(), stamps=stamps))
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> None:
         """Block until every layer holds the sum/avg over all ranks for this iteration.
@@ -256,6 +266,7 @@ class Client:
                 f"commd: wait() before every layer is ready; not yet marked: {missing[:10]}"
                 + (" …" if len(missing) > 10 else "")
             )
+        self._send_ready()
         self._connection.send(Wait(iteration=self.iteration))
         budget = self.timeout if timeout is None else timeout
         reply = self._connection.receive(budget, f"iteration {self.iteration} to be reduced")
@@ -270,6 +281,8 @@ class Client:
         self.iteration += 1
         self.plan_version = reply.plan
         self._marked.clear()
+        self._batch.announce(reply.next_plan, reply.next_groups)
+        self._batch.next_iteration()
 
     def _check_usable(self, call: str) -> None:
         if self._failure is not None:

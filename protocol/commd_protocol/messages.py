@@ -66,6 +66,9 @@ class Ready(_Msg, tag="ready"):
     layers: list[int]  # forward-order indices whose gradients are final for this iteration
     sent_at: float = 0.0  # the client's CLOCK_MONOTONIC seconds at sending (0: not given);
     # the daemon measures ready-to-launch latency from it (same host, same clock)
+    stamps: list[float] = []  # CLOCK_MONOTONIC seconds at which each layer became ready, in
+    # the order of ``layers`` (empty: when the daemon received it). Clients batch their ready
+    # marks until a group of the plan is complete; the stamps keep the profile per layer.
 
 
 class Wait(_Msg, tag="wait"):
@@ -94,6 +97,7 @@ class Registered(_Msg, tag="registered"):
     node_index: int
     groups: list[list[int]]  # forward-order layer indices, in communication order
     planner: str
+    plan: int = 0  # the version of the plan whose ``groups`` these are
     done_event: bytes = b""  # device jobs: cudaIpcEventHandle_t of the daemon's completion
     # event; recorded before every ``done``, the client's stream waits on it
 
@@ -101,6 +105,9 @@ class Registered(_Msg, tag="registered"):
 class Done(_Msg, tag="done"):
     iteration: int
     plan: int = 0  # version of the merge plan this iteration ran with
+    next_plan: int = 0  # the version the next iteration will run with (0: not decided yet)
+    next_groups: list[list[int]] | None = None  # that plan's groups, when this rank has not
+    # been told them yet; a hint for batching ready marks, never needed for correctness
 
 
 class Error(_Msg, tag="error"):

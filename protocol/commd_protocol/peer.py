@@ -65,6 +65,8 @@ class PeerProfile(_Msg, tag="peer_profile"):
     iteration_s: float = 0.0
     # [ratio, mean compression gain ‖sent‖²/‖E‖²] per top-k ratio used in the round
     gains: list[list[float]] = msgspec.field(default_factory=list)
+    plan: int = 0  # the plan version of the round's last iteration
+    step_s: float = 0.0  # median time per iteration under that plan (0: not measured)
 
 
 class PeerPlan(_Msg, tag="peer_plan"):
@@ -81,6 +83,8 @@ class PeerPlan(_Msg, tag="peer_plan"):
     reason: str = ""
     exchanges: list[str] = msgspec.field(default_factory=list)  # per group; [] = all dense
     ratio: float = 0.0  # top-k ratio of the compressed groups
+    overhead_s: float = 0.0  # per-group cost added to alpha_s for planning (measured search)
+    search: str = ""  # the plan search's state, for status
 
 
 PeerMessage = PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan

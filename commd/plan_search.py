@@ -1,0 +1,92 @@
+"""A measured check on the cost model: search the per-group overhead it does not see.
+
+The planner's a + b·M comes from timing the collectives alone. Each group also costs work
+that no collective timing shows: the daemon's wake-ups and completion callbacks, the scaling
+pass, and, where the cores are shared, CPU taken from the backward pass it overlaps. Where
+that is large (many small layers on a few busy cores) the optimum of the model is not the
+fastest plan in practice.
+
+So the coordinator measures. Each report round gives the job's median step time under the
+plan it ran. Starting from the model's plan (overhead 0), the per-group overhead added to a
+grows geometrically (a, 4a, 16a, …: fewer, larger groups) while the measured step time stays
+within ``TIE`` of the fastest seen; at the first plan that is slower the search goes back to
+the fastest and stops. A plan the model would not change is skipped without a round. Pure:
+no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+TIE = 0.02  # within 2 % of the fastest counts as no slower: fewer groups win the tie
+GROWTH = 4.0  # each trial's overhead over the previous one
+FIRST_OVERHEAD_S = 200e-6  # the first trial's overhead when a is smaller
+MAX_OVERHEAD_S = 1.0  # beyond this every plan is one group anyway
+
+Groups = Sequence[Sequence[int]]
+
+
+def _key(groups: Groups) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(sorted(group)) for group in groups)
+
+
+@dataclass(frozen=True)
+class Trial:
+    overhead_s: float
+    groups: int
+    step_s: float
+
+
+@dataclass
+class PlanSearch:
+    enabled: bool = True
+    overhead_s: float = 0.0  # the per-group overhead plans are made with now
+    done: bool = False
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def best(self) -> Trial | None:
+        """The trial kept: the one with fewest groups within TIE of the fastest."""
+        if not self.trials:
+            return None
+        fastest = min(t.step_s for t in self.trials)
+        near = [t for t in self.trials if t.step_s <= fastest * (1 + TIE)]
+        return min(near, key=lambda t: (t.groups, t.step_s))
+
+    @property
+    def state(self) -> str:
+        if not self.enabled:
+            return "off"
+        return "done" if self.done else "measuring"
+
+    def observe(self, groups: Groups, step_s: float, alpha_s: float,
+                plan_for: Callable[[float], Groups]) -> str:
+        """One round measured ``step_s`` per iteration with ``groups``, planned with the current
+        overhead. Returns why the overhead changed ("" if it did not); ``plan_for(overhead)``
+        is the plan the model would make with that overhead."""
+        if not self.enabled or self.done or step_s <= 0:
+            return ""
+        trial = Trial(self.overhead_s, len(groups), step_s)
+        self.trials.append(trial)
+        best = self.best
+        assert best is not None
+        if best is not trial and step_s > min(t.step_s for t in self.trials) * (1 + TIE):
+            self.done = True
+            self.overhead_s = best.overhead_s
+            return (f"plan search: {len(groups)} groups took {step_s * 1e3:.1f} ms/step, "
+                    f"{best.groups} took {best.step_s * 1e3:.1f}: keeping overhead "
+                    f"{best.overhead_s * 1e6:.0f} µs")
+        if len(groups) <= 1:
+            self.done = True
+            return ""
+        overhead = self.overhead_s
+        while True:
+            overhead = max(overhead * GROWTH, alpha_s, FIRST_OVERHEAD_S)
+            if overhead > MAX_OVERHEAD_S:
+                self.done = True
+                return ""
+            if _key(plan_for(overhead)) != _key(groups):
+                break
+        self.overhead_s = overhead
+        return f"plan search: trying per-group overhead {overhead * 1e6:.0f} µs"

@@ -1,0 +1,135 @@
+"""The measured plan search: per-group overhead grows while plans with fewer groups are not
+slower, and goes back to the fastest plan at the first that is."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from commd.plan_search import FIRST_OVERHEAD_S, TIE, PlanSearch
+from commd.planner import LinearCost
+from commd.replanner import Replanner
+from commd_protocol import PeerProfile
+
+
+def contiguous(count: int, layers: int = 8) -> list[list[int]]:
+    bounds = np.linspace(0, layers, count + 1).astype(int)
+    return [list(range(lo, hi)) for lo, hi in itertools.pairwise(bounds)]
+
+
+def plan_for(overhead_s: float) -> list[list[int]]:
+    """A stand-in model: more overhead, fewer groups (8, 4, 2, 1 at 0, 0.2, 0.8, 3.2 ms)."""
+    if overhead_s < FIRST_OVERHEAD_S:
+        return contiguous(8)
+    return contiguous(max(1, int(8 / (4 * overhead_s / FIRST_OVERHEAD_S) ** 0.5)))
+
+
+def run(search: PlanSearch, step_of_groups) -> list[int]:
+    """Feed the search until it stops; the group counts it had measured."""
+    tried = []
+    for _ in range(20):
+        groups = plan_for(search.overhead_s)
+        tried.append(len(groups))
+        search.observe(groups, step_of_groups(len(groups)), alpha_s=0.0, plan_for=plan_for)
+        if search.done:
+            break
+    return tried
+
+
+def test_fewer_groups_faster_ends_at_one_group() -> None:
+    search = PlanSearch()
+    tried = run(search, lambda groups: 0.050 + 0.004 * groups)
+    assert tried == [8, 4, 2, 1]
+    assert search.done and search.state == "done"
+    assert search.best is not None and search.best.groups == 1
+    assert plan_for(search.overhead_s) == [list(range(8))]
+
+
+def test_first_slower_plan_goes_back_to_the_fastest() -> None:
+    search = PlanSearch()
+    tried = run(search, lambda groups: 0.100 if groups >= 4 else 0.130)
+    assert tried == [8, 4, 2]
+    best = search.best
+    assert best is not None and best.groups == 4  # 8 and 4 tie: fewer groups win
+    assert len(plan_for(search.overhead_s)) == 4
+
+
+def test_a_slower_second_plan_keeps_the_model_plan() -> None:
+    search = PlanSearch()
+    groups = plan_for(0.0)
+    assert search.observe(groups, 0.100, 0.0, plan_for).startswith("plan search: trying")
+    reason = search.observe(plan_for(search.overhead_s), 0.100 * (1 + 2 * TIE), 0.0, plan_for)
+    assert "keeping overhead 0 µs" in reason
+    assert search.overhead_s == 0.0 and search.done
+
+
+def test_overheads_that_do_not_change_the_plan_are_skipped() -> None:
+    search = PlanSearch()
+    calls = []
+
+    def same_until_3ms(overhead_s: float) -> list[list[int]]:
+        calls.append(overhead_s)
+        return contiguous(8) if overhead_s < 3e-3 else contiguous(1)
+
+    search.observe(contiguous(8), 0.1, 0.0, same_until_3ms)
+    assert search.overhead_s == pytest.approx(FIRST_OVERHEAD_S * 4**2)  # 0.2, 0.8: unchanged
+    assert len(calls) == 3
+
+
+def test_starts_from_the_measured_alpha_and_does_nothing_when_off() -> None:
+    search = PlanSearch()
+    search.observe(contiguous(8), 0.1, 0.01, plan_for)
+    assert search.overhead_s == 0.01
+    off = PlanSearch(enabled=False)
+    assert off.observe(contiguous(8), 0.1, 0.0, plan_for) == "" and off.state == "off"
+    assert off.overhead_s == 0.0
+
+
+# --- through the replanner: rounds of reports with the measured step time ------------------
+
+
+def _report(round_: int, iteration: int, plan: int, step_s: float,
+            offsets: list[float]) -> PeerProfile:
+    lan = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)
+    comm = [[iteration, 0, n, float(lan(n))] for n in (1 << 16, 1 << 20, 4 << 20)]
+    return PeerProfile(job="j", round=round_, iteration=iteration, ready_offsets_s=offsets,
+                       comm=comm, plan=plan, step_s=step_s)
+
+
+def drive(replanner: Replanner, step_of_groups, rounds: int = 12) -> list[int]:
+    """Every round runs the last decision's plan; its step time depends on its groups."""
+    sizes = len(replanner.sizes_bytes)
+    offsets = [0.002 * (sizes - 1 - i) for i in range(sizes)]  # 2 ms of backward per layer
+    decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
+    counts = []
+    for number in range(1, rounds):
+        step = step_of_groups(len(decision.groups))
+        decision = replanner.decide(
+            [_report(number, 10 * number - 1, decision.version, step, offsets)] * 2)
+        counts.append(len(decision.groups))
+    return counts
+
+
+def test_replanner_search_finds_fewer_groups_when_they_are_faster() -> None:
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2)
+    counts = drive(replanner, lambda groups: 0.040 + 0.003 * groups)
+    assert counts[0] > 1  # the model's plan overlaps: several groups
+    assert counts[-1] < counts[0]
+    assert replanner.search.state == "done" and replanner.search.overhead_s > 0
+
+
+def test_replanner_search_keeps_the_model_plan_when_it_is_fastest() -> None:
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2)
+    counts = drive(replanner, lambda groups: 0.040 + 0.004 * (16 - groups))  # overlap pays
+    assert replanner.search.state == "done" and replanner.search.overhead_s == 0.0
+    assert counts[-1] == counts[0] > 1  # back to the model's plan
+
+
+def test_no_search_for_fixed_planners_one_node_or_compression() -> None:
+    assert Replanner("syncea", [1 << 20] * 4, nodes=2).search.state == "off"
+    assert Replanner("optimal", [1 << 20] * 4, nodes=1).search.state == "off"
+    assert Replanner("optimal", [1 << 20] * 4, nodes=2,
+                     compression="topk:0.01").search.state == "off"
+    assert Replanner("optimal", [1 << 20] * 4, nodes=2).search.state == "measuring"
