@@ -240,18 +240,23 @@ def compare(link: str, nodes: Sequence[Node], models: Sequence[str],
             means: dict[str, list[float]] = {"torch": [], "commd": []}
             agree = True
             for repeat in range(args.repeats):  # alternate, so load drifts hit both alike
-                for impl in ("torch", "commd"):
+                for impl in args.impls.split(","):
                     result = run_job(impl, model, nodes, args, link)
                     means[impl].append(result["mean_ms"])
                     agree = agree and result["agree"]
                     print(f"  {link} {model} #{repeat + 1} {impl}: {result['mean_ms']:.1f} ms "
                           f"per step (median {result['median_ms']:.1f}; forward/backward/step "
                           f"{'/'.join(f'{t:.1f}' for t in result['phases_ms'])})", flush=True)
+            if not all(means.values()):
+                continue  # one implementation only (--impls): no ratio
             torch_ms, commd_ms = (statistics.median(means[i]) for i in ("torch", "commd"))
             name, batch = model_and_batch(model, args)
             rows.append([link, f"{name}, batch {batch}", f"{torch_ms:.1f}", f"{commd_ms:.1f}",
                          f"{commd_ms / torch_ms:.2f}", "yes" if agree else "NO"])
-    shutil.rmtree(workdir, ignore_errors=True)
+    if args.keep_logs:
+        print(f"  daemon logs: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     return rows
 
 
@@ -279,6 +284,11 @@ def main() -> int:
                         help="runs per implementation, alternating; the table shows medians")
     parser.add_argument("--planner", default=None,
                         help="commd merge planner (default: the daemon's, optimal)")
+    parser.add_argument("--impls", default="torch,commd",
+                        help="which to run (e.g. commd alone, to look at its daemons' logs "
+                             "with --keep-logs)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the daemons' logs (the directory is printed)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per job, seconds")
     args = parser.parse_args()
 

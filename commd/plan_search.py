@@ -8,10 +8,11 @@ fastest plan in practice.
 
 So the coordinator measures. Each report round gives the job's median step time under the
 plan it ran. Starting from the model's plan (overhead 0), the per-group overhead added to a
-grows geometrically (a, 4a, 16a, …: fewer, larger groups) while the measured step time stays
-within ``TIE`` of the fastest seen; at the first plan that is slower the search goes back to
-the fastest and stops. A plan the model would not change is skipped without a round. Pure:
-no I/O, no clock.
+grows geometrically (a, 4a, 16a, …: fewer, larger groups) until the plan is one group, or
+until two trials in a row are slower than the fastest seen by more than ``TIE`` (one slow
+round may be noise on a shared machine; two are a direction). Then the search keeps the
+trial with the fewest groups among those within ``TIE`` of the fastest, and stops. A plan the
+model would not change is skipped without a round. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-TIE = 0.02  # within 2 % of the fastest counts as no slower: fewer groups win the tie
+TIE = 0.03  # within 3 % of the fastest counts as no slower: fewer groups win the tie
+SLOWER_IN_A_ROW = 2  # trials slower than the fastest (beyond TIE) that end the search
 GROWTH = 4.0  # each trial's overhead over the previous one
 FIRST_OVERHEAD_S = 200e-6  # the first trial's overhead when a is smaller
 MAX_OVERHEAD_S = 1.0  # beyond this every plan is one group anyway
@@ -67,26 +69,36 @@ class PlanSearch:
         is the plan the model would make with that overhead."""
         if not self.enabled or self.done or step_s <= 0:
             return ""
-        trial = Trial(self.overhead_s, len(groups), step_s)
-        self.trials.append(trial)
-        best = self.best
-        assert best is not None
-        if best is not trial and step_s > min(t.step_s for t in self.trials) * (1 + TIE):
-            self.done = True
-            self.overhead_s = best.overhead_s
-            return (f"plan search: {len(groups)} groups took {step_s * 1e3:.1f} ms/step, "
-                    f"{best.groups} took {best.step_s * 1e3:.1f}: keeping overhead "
-                    f"{best.overhead_s * 1e6:.0f} µs")
-        if len(groups) <= 1:
-            self.done = True
-            return ""
+        self.trials.append(Trial(self.overhead_s, len(groups), step_s))
+        fastest = min(t.step_s for t in self.trials)
+        recent = self.trials[-SLOWER_IN_A_ROW:]
+        if len(groups) > 1 and not (len(recent) == SLOWER_IN_A_ROW and all(
+                t.step_s > fastest * (1 + TIE) for t in recent)):
+            overhead = self._next_overhead(groups, alpha_s, plan_for)
+            if overhead is not None:
+                self.overhead_s = overhead
+                return f"plan search: trying per-group overhead {overhead * 1e6:.0f} µs"
+        return self._finish()
+
+    def _next_overhead(self, groups: Groups, alpha_s: float,
+                       plan_for: Callable[[float], Groups]) -> float | None:
+        """The next overhead whose plan differs from ``groups`` (None: none left)."""
         overhead = self.overhead_s
         while True:
             overhead = max(overhead * GROWTH, alpha_s, FIRST_OVERHEAD_S)
             if overhead > MAX_OVERHEAD_S:
-                self.done = True
-                return ""
+                return None
             if _key(plan_for(overhead)) != _key(groups):
-                break
-        self.overhead_s = overhead
-        return f"plan search: trying per-group overhead {overhead * 1e6:.0f} µs"
+                return overhead
+
+    def _finish(self) -> str:
+        self.done = True
+        best = self.best
+        assert best is not None
+        changed = best.overhead_s != self.overhead_s
+        self.overhead_s = best.overhead_s
+        if not changed:
+            return ""
+        return (f"plan search: {best.groups} group(s) measured fastest "
+                f"({best.step_s * 1e3:.1f} ms/step): keeping overhead "
+                f"{best.overhead_s * 1e6:.0f} µs")

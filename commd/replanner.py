@@ -40,6 +40,7 @@ from .profiler import (
 DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a re-plan
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement
 GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
+SWITCH_GAIN = 0.01  # a drift re-plan must be predicted this much faster to replace the plan
 SEARCHED_PLANNERS = ("optimal", "mgwfbp")  # the planners whose plans depend on a
 
 
@@ -100,7 +101,9 @@ class Replanner:
             previous = (self.groups, self.exchanges, self.ratio)
             self.cost, self.backward_s, self.ratio = cost, backward, ratio
             groups, exchanges, self.planning_cost = self._plan(cost, backward)
-            if (groups, exchanges, ratio) != previous:
+            forced = bool(search_reason or ratio_reason or self._spec is not None)
+            if (groups, exchanges, ratio) != previous and (
+                    forced or self._worth_switching(groups)):
                 self.version += 1
                 self.groups, self.exchanges = groups, exchanges
         assert self.cost is not None and self.planning_cost is not None
@@ -110,6 +113,16 @@ class Replanner:
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, reason or "no drift", self.exchanges,
                         self.ratio, self.search.overhead_s, self.search.state)
+
+    def _worth_switching(self, groups: list[list[int]]) -> bool:
+        """A drift re-plan replaces the current plan only if the model expects it to be
+        better by SWITCH_GAIN: noisy fits of a and b must not make the plan flap."""
+        if not self.groups:
+            return True
+        assert self.planning_cost is not None
+        current = evaluate(self.groups, self.sizes_bytes, self.backward_s, self.planning_cost)
+        new = evaluate(groups, self.sizes_bytes, self.backward_s, self.planning_cost)
+        return new.iteration_s < current.iteration_s * (1 - SWITCH_GAIN)
 
     # --- measuring plans ------------------------------------------------------------------------
 
