@@ -12,7 +12,9 @@ grows geometrically (a, 4a, 16a, …: fewer, larger groups) until the plan is on
 until two trials in a row are slower than the fastest seen by more than ``TIE`` (one slow
 round may be noise on a shared machine; two are a direction). Then the search keeps the
 trial with the fewest groups among those within ``TIE`` of the fastest, and stops. A plan the
-model would not change is skipped without a round. Pure: no I/O, no clock.
+model would not change is skipped without a round. While the model's own plan is one group
+there is nothing to search; the search starts when it first proposes more. Pure: no I/O, no
+clock.
 """
 
 from __future__ import annotations
@@ -69,7 +71,16 @@ class PlanSearch:
         is the plan the model would make with that overhead."""
         if not self.enabled or self.done or step_s <= 0:
             return ""
-        self.trials.append(Trial(self.overhead_s, len(groups), step_s))
+        if len(groups) <= 1:
+            # One group is what any overhead from MAX_OVERHEAD_S on gives, whatever a and b
+            # are fitted later. Until the model proposes more groups there is nothing to
+            # search: keep the newest one-group measurement and wait.
+            self.trials = [t for t in self.trials if t.groups > 1]
+            self.trials.append(Trial(MAX_OVERHEAD_S, 1, step_s))
+            if len(self.trials) == 1:
+                return ""
+        else:
+            self.trials.append(Trial(self.overhead_s, len(groups), step_s))
         fastest = min(t.step_s for t in self.trials)
         recent = self.trials[-SLOWER_IN_A_ROW:]
         if len(groups) > 1 and not (len(recent) == SLOWER_IN_A_ROW and all(
@@ -86,7 +97,7 @@ class PlanSearch:
         overhead = self.overhead_s
         while True:
             overhead = max(overhead * GROWTH, alpha_s, FIRST_OVERHEAD_S)
-            if overhead > MAX_OVERHEAD_S:
+            if overhead >= MAX_OVERHEAD_S:
                 return None
             if _key(plan_for(overhead)) != _key(groups):
                 return overhead

@@ -168,3 +168,18 @@ def test_drift_replans_switch_only_for_a_predicted_gain() -> None:
     assert not replanner._worth_switching(best)
     replanner.groups = [list(range(16))]  # one group: no overlap at all
     assert replanner._worth_switching(best)
+
+
+def test_search_waits_while_the_model_plans_one_group_and_remembers_it() -> None:
+    search = PlanSearch()
+    one = [list(range(16))]
+    assert search.observe(one, 0.050, 0.0, plan_for) == "" and search.state == "measuring"
+    assert search.observe(one, 0.048, 0.0, plan_for) == ""  # the newest replaces it
+    assert [t.step_s for t in search.trials] == [0.048]
+    # A drift re-plan made it 16 groups (overhead still 0): now the search runs.
+    assert search.observe(plan_for(0.0), 0.070, 0.0, plan_for).startswith("plan search: try")
+    search.observe(plan_for(search.overhead_s), 0.065, 0.0, plan_for)  # 8 groups: slower
+    assert search.done
+    # One group measured fastest: an overhead that gives one group whatever a is fitted.
+    assert search.best is not None and search.best.groups == 1
+    assert len(plan_for(search.overhead_s)) == 1
