@@ -1,6 +1,7 @@
 """Overhead of going through commd vs one raw Gloo allreduce of the same bytes.
 
-ResNet-50's 161 gradient tensors (25,557,032 float32 elements, 102.2 MB) are all-reduced
+ResNet-50's 161 gradient tensors (25,557,032 float32 elements, 102.2 MB; ``--model deep_mlp``:
+bench/ddp_compare.py's 96 tensors, 12.8 MB) are all-reduced
 through two real daemons (two ``commd run`` subprocesses on 127.0.0.1, random peer ports,
 one rank each, op=sum) and compared with one ``ProcessGroupGloo.allreduce`` of one
 25.6M-element float32 tensor between two plain processes (the group built directly on a
@@ -403,8 +404,10 @@ def summarise(repeats: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
 
 def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[str],
                  info: dict[str, Any]) -> None:
-    print(f"ResNet-50: 161 tensors, 25,557,032 float32 (102.2 MB); 2 daemons x 1 rank, op=sum, "
-          f"planner={args.planner}; {args.warmup} warm-up + {args.iterations} measured "
+    layers = MODELS[args.model]()
+    elements = sum(size for _, size in layers)
+    print(f"{args.model}: {len(layers)} tensors, {elements:,} float32 ({elements * 4 / 1e6:.1f} "
+          f"MB); 2 daemons x 1 rank, op=sum, planner={args.planner}; {args.warmup} warm-up + {args.iterations} measured "
           f"iterations per repeat, raw and commd interleaved")
     print("ms on rank 0 (rank 1's median in its own column); ratio = commd median / raw median, "
           "rank 0 / rank 1; paired = median of per-iteration ratios, rank 0")
@@ -457,7 +460,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="commd vs raw Gloo: ResNet-50's gradients through two daemons "
+        description="commd vs raw Gloo: a model's gradients through two daemons "
                     "vs one allreduce of the same bytes (see the module docstring)"
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50",
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(repeats, modes)
     if args.json:
         print(json.dumps({
-            "benchmark": "overhead", "model": "resnet50", "layers": len(layers),
+            "benchmark": "overhead", "model": args.model, "layers": len(layers),
             "elements": sum(s for _, s in layers), "dtype": "float32", "op": "sum",
             "planner": args.planner, "ready": modes, "iterations": args.iterations,
             "warmup": args.warmup, "target_ratio": TARGET_RATIO, "machine": info,

@@ -55,6 +55,22 @@ def start_ranks(spec: JobSpec) -> list[subprocess.Popen[str]]:
     return processes
 
 
+def await_registered(processes: list[subprocess.Popen[str]]) -> None:
+    """Block until every rank printed that its job formed (skip_results ranks)."""
+    for process in processes:
+        assert process.stdout is not None
+        assert json.loads(process.stdout.readline())["registered"]
+
+
+def daemon_status(socket: str) -> dict[str, Any]:
+    """``commd status --json`` of the daemon at ``socket``."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "commd.cli", "status", "--socket", socket, "--json"],
+        capture_output=True, text=True, timeout=30, check=True)
+    status: dict[str, Any] = json.loads(completed.stdout)
+    return status
+
+
 def collect(processes: list[subprocess.Popen[str]], timeout: float = 90.0) -> list[dict[str, Any]]:
     """The final JSON line of every rank; kills stragglers so nothing outlives the test."""
     results = []

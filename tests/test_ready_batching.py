@@ -4,9 +4,6 @@ keeps the per-layer profile from the stamps."""
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +14,7 @@ from commd.pipeline import Pipeline, make_plan
 from commd.profiler import IterationRecord
 from commd_client.batching import ReadyBatcher
 
-from ranks import JobSpec, collect, start_ranks
+from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
 def test_marks_are_sent_when_they_complete_a_group() -> None:
@@ -112,15 +109,10 @@ def test_daemon_gets_one_notification_per_group(start_daemon) -> None:
                    overrides={r: {"skip_results": True} for r in range(2)})
     processes = start_ranks(spec)
     try:
-        for process in processes:
-            assert process.stdout is not None
-            assert json.loads(process.stdout.readline())["registered"]
+        await_registered(processes)
         job: dict = {}
         for _ in range(200):
-            status = json.loads(subprocess.run(
-                [sys.executable, "-m", "commd.cli", "status", "--socket", nodes[0].socket,
-                 "--json"], capture_output=True, text=True, timeout=30, check=True).stdout)
-            (job,) = status["jobs"]
+            (job,) = daemon_status(nodes[0].socket)["jobs"]
             if job["iteration"] >= 20:
                 break
         assert job["iteration"] >= 20, job

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ranks import JobSpec, collect, start_ranks
+from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
 @pytest.mark.timeout(180)
@@ -47,13 +47,8 @@ def test_status_reports_model_and_prediction(start_daemon) -> None:
                    overrides={r: {"skip_results": True} for r in range(2)})
     processes = start_ranks(spec)
     try:
-        for process in processes:
-            assert process.stdout is not None
-            assert json.loads(process.stdout.readline())["registered"]
-        status = json.loads(subprocess.run(
-            [sys.executable, "-m", "commd.cli", "status", "--socket", nodes[0].socket, "--json"],
-            capture_output=True, text=True, timeout=30, check=True).stdout)
-        (job,) = status["jobs"]
+        await_registered(processes)
+        (job,) = daemon_status(nodes[0].socket)["jobs"]
         # Fitted by the probe (a noisy machine may pin one term at 0, never both).
         assert job["alpha_s"] >= 0 and job["beta_s_per_byte"] >= 0, job
         assert job["alpha_s"] + job["beta_s_per_byte"] * (1 << 20) > 0, job
