@@ -407,8 +407,8 @@ def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[
     layers = MODELS[args.model]()
     elements = sum(size for _, size in layers)
     print(f"{args.model}: {len(layers)} tensors, {elements:,} float32 ({elements * 4 / 1e6:.1f} "
-          f"MB); 2 daemons x 1 rank, op=sum, planner={args.planner}; {args.warmup} warm-up + {args.iterations} measured "
-          f"iterations per repeat, raw and commd interleaved")
+          f"MB); 2 daemons x 1 rank, op=sum, planner={args.planner}; {args.warmup} warm-up + "
+          f"{args.iterations} measured iterations per repeat, raw and commd interleaved")
     print("ms on rank 0 (rank 1's median in its own column); ratio = commd median / raw median, "
           "rank 0 / rank 1; paired = median of per-iteration ratios, rank 0")
     header = (f"{'repeat':>6}  {'what':<17} {'median':>8} {'p10':>8} {'p90':>8} {'rank1':>8}"
