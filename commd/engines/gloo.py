@@ -62,10 +62,6 @@ class GlooEngine(Engine):
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.host)]
         options._timeout = timeout
-        # One worker thread: the pipeline issues groups in plan order anyway, and with two
-        # threads neighbouring collectives share the wire, so each one's timing (the
-        # profiler's a and b) would count only part of its time on it.
-        options._threads = 1
         store = dist.PrefixStore(config.key, self._store)
         self._group = dist.ProcessGroupGloo(store, config.rank, config.size, options)
 
