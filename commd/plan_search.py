@@ -8,10 +8,11 @@ fastest plan in practice.
 
 So the coordinator measures. Each report round gives the job's median step time under the
 plan it ran. Starting from the model's plan (overhead 0), the per-group overhead added to a
-grows geometrically (a, 4a, 16a, …: fewer, larger groups) until the plan is one group, or
-until two trials in a row are slower than the fastest seen by more than ``TIE`` (one slow
-round may be noise on a shared machine; two are a direction). Then the search keeps the
-trial with the fewest groups among those within ``TIE`` of the fastest, and stops. A plan the
+grows geometrically (a, 4a, 16a, …: fewer, larger groups) until the plan is one group. The
+search does not stop at the first slower plan: step times need not fall steadily as groups
+merge (97 groups and 40 may both be slower than 1), and one round is noisy on a shared
+machine; at most ~7 trials of one round each, once per job. Then it keeps the trial with the
+fewest groups among those within ``TIE`` of the fastest, and stops. A plan the
 model would not change is skipped without a round. While the model's own plan is one group
 there is nothing to search; the search starts when it first proposes more. Pure: no I/O, no
 clock.
@@ -23,7 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 TIE = 0.03  # within 3 % of the fastest counts as no slower: fewer groups win the tie
-SLOWER_IN_A_ROW = 2  # trials slower than the fastest (beyond TIE) that end the search
 GROWTH = 4.0  # each trial's overhead over the previous one
 FIRST_OVERHEAD_S = 200e-6  # the first trial's overhead when a is smaller
 MAX_OVERHEAD_S = 1.0  # beyond this every plan is one group anyway
@@ -81,10 +81,7 @@ class PlanSearch:
                 return ""
         else:
             self.trials.append(Trial(self.overhead_s, len(groups), step_s))
-        fastest = min(t.step_s for t in self.trials)
-        recent = self.trials[-SLOWER_IN_A_ROW:]
-        if len(groups) > 1 and not (len(recent) == SLOWER_IN_A_ROW and all(
-                t.step_s > fastest * (1 + TIE) for t in recent)):
+        if len(groups) > 1:
             overhead = self._next_overhead(groups, alpha_s, plan_for)
             if overhead is not None:
                 self.overhead_s = overhead
