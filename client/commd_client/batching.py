@@ -28,7 +28,7 @@ class ReadyBatcher:
         self.layers: list[int] = []  # pending marks, oldest first
         self.stamps: list[float] = []
 
-    def use_groups(self, plan: int, groups: Sequence[Sequence[int]]) -> None:
+    def _use_groups(self, plan: int, groups: Sequence[Sequence[int]]) -> None:
         """Batch by these groups from the next iteration on (plan 0 or bad groups: don't)."""
         group_of = [-1] * self.layer_count
         for index, group in enumerate(groups):
@@ -51,7 +51,7 @@ class ReadyBatcher:
             self._told = (plan, [list(group) for group in groups])
         if plan != self.plan:
             known_plan, known_groups = self._told
-            self.use_groups(plan, known_groups if plan == known_plan else [])
+            self._use_groups(plan, known_groups if plan == known_plan else [])
 
     def add(self, layers: Sequence[int]) -> bool:
         now = time.monotonic()
