@@ -12,10 +12,9 @@ grows geometrically (a, 4a, 16a, …: fewer, larger groups) until the plan is on
 search does not stop at the first slower plan: step times need not fall steadily as groups
 merge (97 groups and 40 may both be slower than 1), and one round is noisy on a shared
 machine; at most ~7 trials of one round each, once per job. Then it keeps the trial with the
-fewest groups among those within ``TIE`` of the fastest, and stops. A plan the
-model would not change is skipped without a round. While the model's own plan is one group
-there is nothing to search; the search starts when it first proposes more. Pure: no I/O, no
-clock.
+fewest groups among those within ``TIE`` of the fastest, and stops. A plan the model would
+not change is skipped without a round. While the model's own plan is one group there is
+nothing to search; the search starts when it first proposes more. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -77,16 +76,13 @@ class PlanSearch:
             # search: keep the newest one-group measurement and wait.
             self.trials = [t for t in self.trials if t.groups > 1]
             self.trials.append(Trial(MAX_OVERHEAD_S, 1, step_s))
-            if len(self.trials) == 1:
-                return ""
-        else:
-            self.trials.append(Trial(self.overhead_s, len(groups), step_s))
-        if len(groups) > 1:
-            overhead = self._next_overhead(groups, alpha_s, plan_for)
-            if overhead is not None:
-                self.overhead_s = overhead
-                return f"plan search: trying per-group overhead {overhead * 1e6:.0f} µs"
-        return self._finish()
+            return "" if len(self.trials) == 1 else self._finish()
+        self.trials.append(Trial(self.overhead_s, len(groups), step_s))
+        overhead = self._next_overhead(groups, alpha_s, plan_for)
+        if overhead is None:
+            return self._finish()
+        self.overhead_s = overhead
+        return f"plan search: trying per-group overhead {overhead * 1e6:.0f} µs"
 
     def _next_overhead(self, groups: Groups, alpha_s: float,
                        plan_for: Callable[[float], Groups]) -> float | None:
