@@ -47,7 +47,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from commd.launch import LocalDaemon
+from commd.testing.daemons import LocalDaemon
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -218,7 +218,7 @@ def snapshot(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_status(daemon: LocalDaemon, job: str) -> dict[str, Any] | None:
-    from commd.status import NoDaemon, query
+    from commd.cli.status import NoDaemon, query
 
     try:
         status = query(daemon.socket, timeout_s=5.0)
@@ -322,7 +322,7 @@ def predictions(final: dict[str, Any], layers: list[tuple[str, int]], nodes: int
     over the job's final groups (at its final ratio; 0.01 for a dense job)."""
     from commd.compression.costs import exchange_costs
     from commd.compression.planning import link_cost
-    from commd.planner import LinearCost
+    from commd.plan import LinearCost
 
     if final.get("alpha_s") is None or nodes < 2:
         return {}

@@ -128,7 +128,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 def serve_daemon(workdir: str, name: str, host: str) -> None:
     """Child process: run a LocalDaemon, print its address, stop it when stdin closes."""
-    from commd.launch import LocalDaemon
+    from commd.testing.daemons import LocalDaemon
 
     daemon = LocalDaemon(workdir, name, listen_host=host)
     try:

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "protocol")]
 
-from commd.launch import LocalDaemon  # noqa: E402
+from commd.testing.daemons import LocalDaemon  # noqa: E402
 
 RANKS = str(Path(__file__).with_name("gpu_ranks.py"))
 NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}

@@ -28,8 +28,8 @@ import cupy
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "protocol")]
 
-from commd.engines import cuda_kernels  # noqa: E402
-from commd.status import query  # noqa: E402
+from commd.cli.status import query  # noqa: E402
+from commd.engines.cuda import kernels as cuda_kernels  # noqa: E402
 from commd_client import Client  # noqa: E402
 
 

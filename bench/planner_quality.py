@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from commd.planner import (
+from commd.plan import (
     MGWFBP_SIM,
     NETWORK_PRESETS,
     Groups,
@@ -43,8 +43,8 @@ from commd.planner import (
     plan_with,
     ready_times,
 )
-from commd.profiles import Profile, load_profile, resolve_profile, shipped_profile_names
-from commd.simulate import parse_nodes
+from commd.plan.model_profiles import Profile, load_profile, resolve_profile, shipped_profile_names
+from commd.plan.units import parse_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOGLENET = "googlenet"

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commd.launch import LocalDaemon
-from commd.planner import LinearCost, evaluate
-from commd.profiles import resolve_profile
-from commd.status import query
+from commd.cli.status import query
+from commd.plan import LinearCost, evaluate
+from commd.plan.model_profiles import resolve_profile
+from commd.testing.daemons import LocalDaemon
 
 PLANNERS = ("wfbp", "syncea", "fixed-25MB", "mgwfbp", "optimal")
 MEASURE_FROM = 15  # after the first informed plan (iteration 12) has settled

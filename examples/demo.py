@@ -16,8 +16,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from commd.launch import LocalDaemon, commd_segments
-from commd.status import query, render
+from commd.cli.status import query, render
+from commd.testing.daemons import LocalDaemon, commd_segments
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,6 +1,6 @@
 """Real daemons as subprocesses for tests (see commd.launch)."""
 
-from commd.launch import LocalDaemon as DaemonProcess
-from commd.launch import commd_segments
+from commd.testing.daemons import LocalDaemon as DaemonProcess
+from commd.testing.daemons import commd_segments
 
 __all__ = ["DaemonProcess", "commd_segments"]

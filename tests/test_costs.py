@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from commd.cli import build_parser
-from commd.cli import main as cli_main
+from commd.cli.costs import JSON_KEYS
+from commd.cli.main import build_parser
+from commd.cli.main import main as cli_main
 from commd.compression.costs import (
     EXCHANGES,
     allgather_s,
@@ -21,11 +22,15 @@ from commd.compression.costs import (
     topk_count,
     tree_allreduce_s,
 )
-from commd.costs import JSON_KEYS, main
 
 RESNET18 = 11_689_512  # torchvision resnet18 parameters
 GBPS10 = 8 / 10e9  # 10 Gbps as seconds per byte: 0.8 ns/B
 TABLE_VI = ["--nodes", "8", "--latency", "1ms", "--bandwidth", "10Gbps"]
+
+
+def main(argv: list[str]) -> int:
+    """``commd costs ARGV`` in this process."""
+    return cli_main(["costs", *argv])
 
 
 def costs(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

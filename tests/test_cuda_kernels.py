@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from commd.engines.cuda_kernels import KERNELS, spec
+from commd.engines.cuda.kernels import KERNELS, spec
 
 cupy = pytest.importorskip("cupy")
 

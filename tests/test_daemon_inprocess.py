@@ -15,8 +15,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from commd.server import Daemon
-from commd.settings import Settings
+from commd.daemon.server import Daemon
+from commd.daemon.settings import Settings
 from commd_client.shm import GradientSegment
 from commd_protocol import PROTOCOL_VERSION
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from commd.status import query
+from commd.cli.status import query
 
 
 def test_daemon_notifies_ready_watchdog_and_stopping(start_daemon) -> None:

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from commd.engines.base import EngineError
-from commd.engines.ops import HostOps
-from commd.pipeline import Pipeline, make_plan
-from commd.profiler import IterationRecord
+from commd.engines.buffer_ops import HostOps
+from commd.job.pipeline import Pipeline, make_plan
+from commd.plan.fitting import IterationRecord
 
 pytestmark = pytest.mark.timeout(30)
 

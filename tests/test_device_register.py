@@ -21,7 +21,7 @@ from test_daemon_inprocess import (  # noqa: F401 - pytest fixtures
     still_serving,
 )
 
-from commd.server import Daemon
+from commd.daemon.server import Daemon
 from commd_protocol import Ready, Register, Registered, encode
 from commd_protocol.codec import client_codec, daemon_codec
 

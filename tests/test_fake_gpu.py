@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from commd.status import query
+from commd.cli.status import query
 
 from gpu_jobs import assert_exact, run_job
 

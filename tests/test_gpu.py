@@ -58,7 +58,7 @@ def host_values(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
 def test_device_kernels_match_host_ops_bit_for_bit(dtype: str, sources: int) -> None:
     import cupy
 
-    from commd.engines.cuda_ops import CudaOps
+    from commd.engines.cuda.ops import CudaOps
 
     rng = np.random.default_rng(sources)
     n = 100_003
@@ -91,7 +91,7 @@ def test_device_kernels_match_host_ops_bit_for_bit(dtype: str, sources: int) -> 
 def test_nccl_engine_on_one_rank() -> None:
     import cupy
 
-    from commd.engines.cuda_ops import CudaOps
+    from commd.engines.cuda.ops import CudaOps
     from commd.engines.nccl import NcclEngine
 
     async def run() -> None:

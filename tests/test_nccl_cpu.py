@@ -15,17 +15,11 @@ import numpy as np
 import pytest
 
 from commd import engines
-from commd.engines import (
-    EngineConfig,
-    EngineError,
-    choose_backend,
-    cuda_calls,
-    engine_for_buffers,
-    nccl_tables,
-)
-from commd.engines.cuda_watch import StreamWatcher
+from commd.engines import EngineConfig, EngineError, choose_backend, engine_for_buffers, nccl_tables
+from commd.engines.buffer_ops import HostOps
+from commd.engines.cuda import calls as cuda_calls
+from commd.engines.cuda.watch import StreamWatcher
 from commd.engines.nccl import NcclEngine, device_pointer, exchange_unique_id
-from commd.engines.ops import HostOps
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from commd.plan_search import FIRST_OVERHEAD_S, TIE, PlanSearch
-from commd.planner import LinearCost
-from commd.replanner import Replanner
+from commd.coordinator.plan_search import FIRST_OVERHEAD_S, TIE, PlanSearch
+from commd.coordinator.replanner import Replanner
+from commd.plan import LinearCost
 from commd_protocol import PeerProfile
 
 
@@ -153,7 +153,7 @@ def test_no_search_for_fixed_planners_one_node_or_compression() -> None:
 
 
 def test_drift_replans_switch_only_for_a_predicted_gain() -> None:
-    from commd.planner import evaluate
+    from commd.plan import evaluate
 
     sizes = [1 << 20] * 16
     replanner = Replanner("optimal", sizes, nodes=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commd.planner import (
+from commd.plan import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
     HOROVOD_FUSION_THRESHOLD_BYTES,
@@ -404,7 +404,7 @@ def test_units() -> None:
 
 @pytest.mark.skipif(not GOOGLENET.is_file(), reason=f"reference data {GOOGLENET} not present")
 def test_googlenet_optimal_beats_the_published_rule_at_64_nodes() -> None:
-    from commd.profiles import load_profile
+    from commd.plan.model_profiles import load_profile
 
     profile = load_profile(GOOGLENET)
     sizes, backward, forward = profile.sizes_bytes, profile.backward_s, profile.forward_s

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import commd
-from commd import models, profile_cmd
-from commd.models.profiling import _ready_deltas
+import commd.plan
+from commd import models
+from commd.cli import profile as profile_cmd
+from commd.models.layer_timing import _ready_deltas
 
-PROFILES = Path(commd.__file__).parent / "profiles"
+PROFILES = Path(commd.plan.__file__).parent / "profiles"
 
 
 def parser() -> argparse.ArgumentParser:

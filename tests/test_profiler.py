@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commd.planner import LinearCost, evaluate, optimal
-from commd.profiler import (
+from commd.coordinator.replanner import DRIFT, Replanner
+from commd.plan import LinearCost, evaluate, optimal
+from commd.plan.fitting import (
     CommSample,
     IterationRecord,
     NodeProfiler,
@@ -15,7 +16,6 @@ from commd.profiler import (
     fit_cost,
     profile_drift,
 )
-from commd.replanner import DRIFT, Replanner
 from commd_protocol import PeerProfile
 
 
@@ -60,7 +60,7 @@ def test_combine_takes_the_shortest_measurement_per_collective() -> None:
 
 
 def test_allgathers_measure_the_same_a_and_b() -> None:
-    from commd.profiler import ALLGATHER, ALLREDUCE, allreduce_terms, fit_terms
+    from commd.plan.fitting import ALLGATHER, ALLREDUCE, allreduce_terms, fit_terms
 
     nodes, alpha, beta = 4, 50e-6, 0.5e-9  # per message, per byte on a link
     a, b = 2 * (nodes - 1) * alpha, 2 * (nodes - 1) / nodes * beta

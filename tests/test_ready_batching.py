@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from commd.pipeline import Pipeline, make_plan
-from commd.profiler import IterationRecord
+from commd.job.pipeline import Pipeline, make_plan
+from commd.plan.fitting import IterationRecord
 from commd_client.batching import ReadyBatcher
 
 from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
@@ -87,7 +87,7 @@ async def test_pipeline_profiles_from_the_stamps_not_the_arrival(executor) -> No
 
 
 async def test_pipeline_refuses_stamps_that_do_not_match(executor) -> None:
-    from commd.pipeline import ReadyError
+    from commd.job.pipeline import ReadyError
 
     pipeline = Pipeline(
         sizes=[4, 4], buffers=[np.zeros(8, np.float32)], dtype="float32", op="sum",

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from commd import settings
-from commd.settings import OPTIONS, Settings, SettingsError, load, split_host_port
+from commd.daemon import settings
+from commd.daemon.settings import OPTIONS, Settings, SettingsError, load, split_host_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -271,7 +271,7 @@ def test_run_with_a_bad_listen_exits_2_with_one_line() -> None:
 def test_run_with_a_bad_env_value_exits_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from commd.cli import main
+    from commd.cli.main import main
 
     for name in list(os.environ):
         if name.startswith("COMMD_"):
@@ -284,7 +284,7 @@ def test_run_with_a_bad_env_value_exits_2_with_one_line(
 
 
 def test_top_level_help_lists_the_subcommands() -> None:
-    from commd.cli import build_parser
+    from commd.cli.main import build_parser
 
     parser = build_parser()
     actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -298,7 +298,7 @@ def test_top_level_help_lists_the_subcommands() -> None:
 
 
 def test_no_subcommand_prints_help_and_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from commd.cli import main
+    from commd.cli.main import main
 
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out

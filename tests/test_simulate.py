@@ -10,9 +10,15 @@ from typing import Any
 
 import pytest
 
-from commd.planner import LinearCost, evaluate, ring_allreduce_cost, validate_plan
-from commd.profiles import load_profile, parse_profile, resolve_profile, shipped_profile_names
-from commd.simulate import main, parse_nodes
+from commd.cli.main import main as cli_main
+from commd.plan import LinearCost, evaluate, ring_allreduce_cost, validate_plan
+from commd.plan.model_profiles import (
+    load_profile,
+    parse_profile,
+    resolve_profile,
+    shipped_profile_names,
+)
+from commd.plan.units import parse_nodes
 
 LAYERS: list[dict[str, Any]] = [  # forward order; a few big layers at the top, as in real CNNs
     {"name": "conv1", "bytes": 40_000, "backward_s": 0.010},
@@ -23,6 +29,11 @@ LAYERS: list[dict[str, Any]] = [  # forward order; a few big layers at the top, 
     {"name": "fc2", "bytes": 4_000_000, "backward_s": 0.001},
 ]
 REQUIRED_PLANNERS = {"wfbp", "syncea", "mgwfbp", "optimal", "fixed-25MB"}
+
+
+def main(argv: list[str]) -> int:
+    """``commd simulate ARGV`` in this process."""
+    return cli_main(["simulate", *argv])
 
 
 @pytest.fixture
@@ -260,7 +271,7 @@ def test_parse_nodes() -> None:
 def test_command_line_in_a_real_process(profile_path: Path) -> None:
     argv = ["--profile", str(profile_path), "--network", "100gbe", "--nodes", "8,16", "--json"]
     done = subprocess.run(
-        [sys.executable, "-m", "commd.simulate", *argv],
+        [sys.executable, "-m", "commd.cli", "simulate", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -268,7 +279,8 @@ def test_command_line_in_a_real_process(profile_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert [r["nodes"] for r in json.loads(done.stdout)] == [8, 16]
     bad = subprocess.run(
-        [sys.executable, "-m", "commd.simulate", "--profile", str(profile_path), "--nodes", "x"],
+        [sys.executable, "-m", "commd.cli", "simulate", "--profile", str(profile_path),
+         "--nodes", "x"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -278,9 +290,10 @@ def test_command_line_in_a_real_process(profile_path: Path) -> None:
 
 
 def test_registered_in_the_commd_command(profile_path: Path) -> None:
-    cli = pytest.importorskip("commd.cli")
-    parser = cli.build_parser()
+    from commd.cli.main import build_parser
+
+    parser = build_parser()
     args = parser.parse_args(
         ["simulate", "--profile", str(profile_path), "--network", "10gbe", "--nodes", "4"]
     )
-    assert args.func.__module__ == "commd.simulate"
+    assert args.func.__module__ == "commd.cli.simulate"

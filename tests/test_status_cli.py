@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import zmq
 
-from commd.cli import main
-from commd.status import render
+from commd.cli.main import main
+from commd.cli.status import render
 from commd_protocol import Done, StatusReply, StatusRequest, encode
 from commd_protocol.codec import client_codec
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from commd import sdnotify
+from commd.daemon import sdnotify
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 UNIT = SYSTEMD_DIR / "commd.service"

@@ -24,7 +24,7 @@ import torch
 from ddp_worker import batch, build_model, loss_of, sgd_step
 from torch import nn
 
-from commd.launch import LocalDaemon
+from commd.testing.daemons import LocalDaemon
 from commd_client import CommdError
 from commd_client._torch_common import check_cpu
 from commd_client.torch import DistributedDataParallel

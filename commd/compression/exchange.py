@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines import Engine
-from .topk import accumulate_pairs, select_topk
+from commd.compression.topk import accumulate_pairs, select_topk
+from commd.engines import Engine
 
 
 @dataclass

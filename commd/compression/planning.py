@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planner import LinearCost
-from .costs import INDEX_BYTES, VALUE_BYTES, exchange_costs
-from .topk import RATIO_RANGE
+from commd.compression.costs import INDEX_BYTES, VALUE_BYTES, exchange_costs
+from commd.compression.topk import RATIO_RANGE
+from commd.plan import LinearCost
 
 ASF_WEIGHTS = (0.6, 0.4)  # time, 1/gain — the paper's weights
 RESOLVE_CHANGE = 0.10  # re-solve the ratio when α, β or the smoothed gain move this much

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .costs import EXCHANGES, topk_count
+from commd.compression.costs import EXCHANGES, topk_count
 
 __all__ = [
     "RATIO_RANGE",

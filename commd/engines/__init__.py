@@ -6,7 +6,7 @@ import functools
 import importlib
 import logging
 
-from .base import Engine, EngineConfig, EngineError
+from commd.engines.base import Engine, EngineConfig, EngineError
 
 __all__ = [
     "ENGINES",

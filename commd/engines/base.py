@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .ops import BufferOps
+    from commd.engines.buffer_ops import BufferOps
 
 # A collective's future resolves to the seconds the collective itself took when the engine
 # measures it (device timing events), else to None (the caller times it from the outside).

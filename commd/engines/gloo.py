@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Completion, Engine, EngineConfig, EngineError, bridge_future
+from commd.engines.base import Completion, Engine, EngineConfig, EngineError, bridge_future
 
 log = logging.getLogger("commd.engine.gloo")
 

@@ -21,9 +21,10 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from . import cuda_calls
-from .base import Completion, Engine, EngineConfig, EngineError
-from .nccl_tables import (
+from commd.engines.base import Completion, Engine, EngineConfig, EngineError
+from commd.engines.buffer_ops import BufferOps
+from commd.engines.cuda import calls as cuda_calls
+from commd.engines.nccl_tables import (
     ITEMSIZE,
     cupy_takes_bytes,
     decode_unique_id,
@@ -32,7 +33,6 @@ from .nccl_tables import (
     nccl_op,
     unique_id_key,
 )
-from .ops import BufferOps
 
 log = logging.getLogger("commd.engine.nccl")
 

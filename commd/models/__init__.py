@@ -19,9 +19,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .bert import bert_base
-    from .cnn import small_cnn
-    from .registry import (
+    from commd.models.bert import bert_base
+    from commd.models.cnn import small_cnn
+    from commd.models.registry import (
         DEFAULT_SEQ_LEN,
         MODELS,
         build,
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
         loss,
         num_classes,
     )
-    from .resnet import resnet50
-    from .vgg import vgg16
+    from commd.models.resnet import resnet50
+    from commd.models.vgg import vgg16
 
 # Kept in step with registry.MODELS (a test checks it), so the CLI can list and validate
 # names without importing torch.

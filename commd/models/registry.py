@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bert import bert_base
-from .cnn import small_cnn
-from .resnet import resnet50
-from .vgg import vgg16
+from commd.models.bert import bert_base
+from commd.models.cnn import small_cnn
+from commd.models.resnet import resnet50
+from commd.models.vgg import vgg16
 
 __all__ = [
     "DEFAULT_SEQ_LEN",

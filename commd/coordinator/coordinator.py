@@ -1,0 +1,174 @@
+"""The coordinator's side of job formation: gather every node, validate, order, plan.
+
+Whichever daemon receives a job's joins on its peer endpoint coordinates that job: the
+clients name it (the daemon on rank 0's node), so no election is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from commd.coordinator.replanner import Replanner
+from commd.job.agreement import describe_difference
+from commd_client.dtypes import itemsize
+from commd_protocol import (
+    ErrorCode,
+    PeerAbort,
+    PeerJoin,
+    PeerLeave,
+    PeerPlan,
+    PeerProfile,
+    PeerSetup,
+)
+
+log = logging.getLogger("commd.coordinator")
+
+SendNode = Callable[[bytes, msgspec.Struct], None]
+
+
+@dataclass
+class Formation:
+    job: str
+    world_size: int
+    joins: dict[bytes, PeerJoin] = field(default_factory=dict)
+    generation: int = 0
+    formed: bool = False
+    replanner: Replanner | None = None
+    reports: dict[int, dict[bytes, PeerProfile]] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, send: SendNode, store_port: Callable[[], int]) -> None:
+        self._send = send
+        self._store_port = store_port
+        self._jobs: dict[str, Formation] = {}
+        self._generation = 0
+
+    def on_message(self, node: bytes, message: msgspec.Struct) -> None:
+        if isinstance(message, PeerJoin):
+            self._on_join(node, message)
+        elif isinstance(message, PeerAbort):
+            self._on_abort(node, message)
+        elif isinstance(message, PeerLeave):
+            self._on_leave(node, message)
+        elif isinstance(message, PeerProfile):
+            self._on_profile(node, message)
+
+    def _on_join(self, node: bytes, join: PeerJoin) -> None:
+        formation = self._jobs.get(join.job)
+        if formation is None or formation.formed:
+            if formation is not None:
+                log.info("job %s: a new run reuses the id", join.job)
+            formation = self._jobs[join.job] = Formation(join.job, join.world_size)
+        formation.joins[node] = join
+        problem = self._check(formation)
+        if problem:
+            self._abort_all(formation, ErrorCode.MISMATCH, problem)
+            return
+        ranks = sum(len(j.ranks) for j in formation.joins.values())
+        if ranks == formation.world_size:
+            self._form(formation)
+
+    def _check(self, formation: Formation) -> str:
+        joins = sorted(formation.joins.values(), key=lambda j: min(j.ranks))
+        seen: dict[int, int] = {}
+        for join in joins:
+            if join.world_size != formation.world_size:
+                return (
+                    f"ranks {join.ranks} say world size {join.world_size}, ranks "
+                    f"{joins[0].ranks} say {formation.world_size}"
+                )
+            for rank in join.ranks:
+                if rank in seen:
+                    return f"rank {rank} joined from two nodes"
+                seen[rank] = 1
+            difference = describe_difference(joins[0], join)
+            if difference:
+                return f"ranks {joins[0].ranks} and ranks {join.ranks} differ: {difference}"
+        return ""
+
+    def _form(self, formation: Formation) -> None:
+        # Nodes ordered by their lowest process rank: node 0 holds rank 0.
+        order = sorted(formation.joins.items(), key=lambda item: min(item[1].ranks))
+        self._generation += 1
+        formation.generation, formation.formed = self._generation, True
+        first = order[0][1]
+        sizes = [layer.size * itemsize(first.dtype) for layer in first.layers]
+        formation.replanner = Replanner(first.planner, sizes, nodes=len(order),
+                                        compression=first.compression,
+                                        itemsize=itemsize(first.dtype))
+        store_port = self._store_port() if len(order) > 1 else 0
+        for index, (node, _join) in enumerate(order):
+            self._send(
+                node,
+                PeerSetup(
+                    job=formation.job,
+                    generation=formation.generation,
+                    node_index=index,
+                    nodes=len(order),
+                    store_port=store_port,
+                    planner=first.planner,
+                ),
+            )
+        log.info("job %s formed: %d nodes, %d ranks", formation.job, len(order),
+                 formation.world_size)
+
+    def _on_profile(self, node: bytes, profile: PeerProfile) -> None:
+        """Once every node has reported a round, decide its plan and tell every node."""
+        formation = self._jobs.get(profile.job)
+        if formation is None or formation.replanner is None or node not in formation.joins:
+            return
+        round_reports = formation.reports.setdefault(profile.round, {})
+        round_reports[node] = profile
+        if len(round_reports) < len(formation.joins):
+            return
+        del formation.reports[profile.round]
+        decision = formation.replanner.decide(list(round_reports.values()))
+        if decision.reason != "no drift":
+            log.info("job %s plan v%d from iteration %d: %d groups (%s)", profile.job,
+                     decision.version, decision.effective_iteration, len(decision.groups),
+                     decision.reason)
+        message = PeerPlan(
+            job=profile.job, round=profile.round,
+            effective_iteration=decision.effective_iteration, version=decision.version,
+            groups=decision.groups, alpha_s=decision.cost.alpha_s,
+            beta_s_per_byte=decision.cost.beta_s_per_byte,
+            predicted_comm_s=decision.predicted_comm_s, reason=decision.reason,
+            exchanges=decision.exchanges, ratio=decision.ratio,
+            overhead_s=decision.overhead_s, search=decision.search,
+        )
+        for member in formation.joins:
+            self._send(member, message)
+
+    def _abort_all(self, formation: Formation, code: str, message: str) -> None:
+        text = f"commd: job {formation.job!r}: {message}"
+        log.error("%s", text)
+        for node in formation.joins:
+            self._send(node, PeerAbort(job=formation.job, code=code, message=text))
+        del self._jobs[formation.job]
+
+    def _on_abort(self, node: bytes, abort: PeerAbort) -> None:
+        formation = self._jobs.pop(abort.job, None)
+        if formation is None:
+            return
+        for other in formation.joins:
+            if other != node:
+                self._send(other, abort)
+
+    def _on_leave(self, node: bytes, leave: PeerLeave) -> None:
+        formation = self._jobs.get(leave.job)
+        if formation is None:
+            return
+        formation.joins.pop(node, None)
+        if not formation.joins:
+            del self._jobs[leave.job]
+
+    def status(self) -> list[dict[str, object]]:
+        return [
+            {"job": f.job, "formed": f.formed, "nodes": len(f.joins), "world_size": f.world_size}
+            for f in self._jobs.values()
+        ]

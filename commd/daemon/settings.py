@@ -1,0 +1,168 @@
+"""One typed settings object: defaults ← config file ← COMMD_* environment ← command line.
+
+Every option is declared once, in ``OPTIONS``, with its type, default and help; argparse
+flags, environment variables and TOML keys are all derived from that table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET
+
+BACKENDS = ("auto", "gloo", "nccl")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class SettingsError(ValueError):
+    """A bad option value, naming where it came from."""
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("socket", str, DEFAULT_SOCKET, "ipc socket path for this node's training processes"),
+    Option("listen", str, f"0.0.0.0:{DEFAULT_PEER_PORT}", "HOST:PORT for peer daemons"),
+    Option("backend", str, "auto", "collective engine (auto: nccl with a GPU, else gloo)",
+           BACKENDS),
+    Option("advertise", str, "", "address peers reach this node's engine at (default: the "
+           "local address that routes to the coordinator)"),
+    Option("timeout_s", float, 300.0, "engine set-up and collective timeout in seconds"),
+    Option("planner", str, "optimal", "default merge planner for jobs that do not name one"),
+    Option("log_level", str, "info", "log level", LOG_LEVELS),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket: str = DEFAULT_SOCKET
+    listen: str = f"0.0.0.0:{DEFAULT_PEER_PORT}"
+    backend: str = "auto"
+    advertise: str = ""
+    timeout_s: float = 300.0
+    planner: str = "optimal"
+    log_level: str = "info"
+
+    @property
+    def listen_host(self) -> str:
+        return split_host_port(self.listen, "listen")[0]
+
+    @property
+    def listen_port(self) -> int:
+        return split_host_port(self.listen, "listen")[1]
+
+
+def split_host_port(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise SettingsError(f"commd: {what} must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option; unset flags stay None so lower layers show through."""
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file with the options below (env COMMD_CONFIG)"
+    )
+    for option in OPTIONS:
+        parser.add_argument(
+            "--" + option.name.replace("_", "-"),
+            dest=option.name,
+            type=option.type,
+            choices=option.choices,
+            default=None,
+            help=f"{option.help} (default {option.default!r}; env COMMD_{option.name.upper()})",
+        )
+
+
+def load(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {o.name: o.default for o in OPTIONS}
+    config = getattr(args, "config", None) or environ.get("COMMD_CONFIG")
+    if config:
+        values.update(_from_file(config))
+    for option in OPTIONS:
+        raw = environ.get(f"COMMD_{option.name.upper()}")
+        if raw is not None:
+            values[option.name] = _convert(option, raw, f"COMMD_{option.name.upper()}")
+    for option in OPTIONS:
+        given = getattr(args, option.name, None) if args is not None else None
+        if given is not None:
+            values[option.name] = given
+    settings = Settings(**values)
+    _validate(settings)
+    return settings
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise SettingsError(f"commd: cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"commd: config file {path} is not valid TOML: {exc}") from None
+    known = {o.name: o for o in OPTIONS}
+    values = {}
+    for key, raw in data.items():
+        option = known.get(key.replace("-", "_"))
+        if option is None:
+            raise SettingsError(
+                f"commd: unknown key {key!r} in {path}; known keys: {', '.join(known)}"
+            )
+        if (option.type is str and not isinstance(raw, str)) or (option.type is float and (
+            isinstance(raw, bool) or not isinstance(raw, int | float)
+        )):
+            raise SettingsError(
+                f"commd: {key} in {path} must be a {option.type.__name__}, got {raw!r}"
+            )
+        values[option.name] = _convert(option, raw, f"{key} in {path}")
+    return values
+
+
+def _convert(option: Option, raw: Any, where: str) -> Any:
+    try:
+        value = option.type(raw)
+    except (TypeError, ValueError):
+        raise SettingsError(
+            f"commd: {where} must be a {option.type.__name__}, got {raw!r}"
+        ) from None
+    if option.choices and value not in option.choices:
+        raise SettingsError(f"commd: {where} must be one of {', '.join(option.choices)}")
+    return value
+
+
+def _validate(settings: Settings) -> None:
+    split_host_port(settings.listen, "listen")
+    if not math.isfinite(settings.timeout_s) or settings.timeout_s <= 0:
+        raise SettingsError(f"commd: timeout_s must be positive, got {settings.timeout_s}")
+    from commd.plan import get_planner  # pure and light; validates the planner name
+
+    try:
+        get_planner(settings.planner)
+    except ValueError as exc:
+        raise SettingsError(f"commd: planner: {exc}") from None
+    if settings.backend not in BACKENDS:
+        raise SettingsError(f"commd: backend must be one of {', '.join(BACKENDS)}")
+
+
+def log_once(settings: Settings, logger: logging.Logger) -> None:
+    fields = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(settings).items())
+    logger.info("settings: %s", fields)
