@@ -48,6 +48,7 @@ from typing import IO, Any
 import numpy as np
 
 from commd.testing.daemons import LocalDaemon
+from commd.testing.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -181,19 +182,11 @@ class Rank:
         return ""
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.process.poll() is None:
+        # EOF: the worker says goodbye and exits (SIGKILL after ``timeout``).
+        stop_process(self.process, grace_s=timeout, close_stdin=True)
+        if self.process.stdout is not None:
             with contextlib.suppress(OSError):
-                assert self.process.stdin is not None
-                self.process.stdin.close()  # EOF: the worker says goodbye and exits
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+                self.process.stdout.close()
 
 
 # --- one job -------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from commd.testing.processes import finish, start_json_worker, stop_process
+
 HERE = Path(__file__).resolve()
 _JOBS = itertools.count()
 sys.path.insert(0, str(HERE.parent))  # netbed
@@ -165,14 +167,8 @@ def daemons(nodes: Sequence[Node], workdir: str) -> Iterator[None]:
         yield
     finally:
         for node in nodes:
-            if node.daemon is not None and node.daemon.poll() is None:
-                assert node.daemon.stdin is not None
-                node.daemon.stdin.close()
-                try:
-                    node.daemon.wait(30)
-                except subprocess.TimeoutExpired:
-                    node.daemon.kill()
-                    node.daemon.wait()
+            if node.daemon is not None:  # EOF: it stops its daemon and exits
+                stop_process(node.daemon, grace_s=30, close_stdin=True)
 
 
 def model_and_batch(entry: str, args: argparse.Namespace) -> tuple[str, int]:
@@ -199,25 +195,15 @@ def run_job(impl: str, entry: str, nodes: Sequence[Node], args: argparse.Namespa
             "coordinator": nodes[0].address, "socket": node.socket,
             "master": f"{nodes[0].host}:{port}",
         }
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen(
-            node.wrap([sys.executable, str(HERE), "_rank", json.dumps(spec)]), env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        env = {"GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1"}
+        processes.append(start_json_worker(node.wrap([sys.executable, str(HERE), "_rank"]), spec,
+                                           env=env))
     results = []
-    try:
-        for rank, process in enumerate(processes):
-            out, err = process.communicate(timeout=args.timeout)
-            node = nodes[rank]
-            if process.returncode != 0:
-                raise RuntimeError(f"{impl} rank {rank} failed (daemon logs in "
-                                   f"{Path(node.socket).parent}):\n{err[-3000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for rank, done in enumerate(finish(processes, args.timeout)):
+        if done.returncode != 0:
+            raise RuntimeError(f"{impl} rank {rank} failed (daemon logs in "
+                               f"{Path(nodes[rank].socket).parent}):\n{done.stderr[-3000:]}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     agree = len({round(r["checksum"], 6) for r in results}) == 1
     return {**results[0], "agree": agree}
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "protocol")]
 
 from commd.testing.daemons import LocalDaemon  # noqa: E402
+from commd.testing.processes import Finished, FinishTimeout, start_json_worker  # noqa: E402
+from commd.testing.processes import finish as finish_processes  # noqa: E402
 
 RANKS = str(Path(__file__).with_name("gpu_ranks.py"))
 NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
@@ -41,29 +42,23 @@ DEADLINE = [float("inf")]  # time.monotonic() by which every measurement must be
 
 def start(mode: str, spec: dict[str, Any], env: dict[str, str] | None = None
           ) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, RANKS, mode, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    return start_json_worker([sys.executable, RANKS, mode], spec, env=env)
 
 
 def finish(processes: list[subprocess.Popen[str]], timeout: float) -> list[dict[str, Any]]:
     """Each process's last JSON line; stragglers are killed at ``timeout`` or the deadline."""
-    results = []
-    deadline = min(time.monotonic() + timeout, DEADLINE[0])
     try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            lines = [line for line in stdout.splitlines() if line.startswith("{")]
-            result = json.loads(lines[-1]) if lines else {"error": f"no result: {stderr[-2000:]}"}
-            results.append(result)
-    except subprocess.TimeoutExpired:
-        results.append({"error": f"timed out ({timeout:g}s, or the --budget-s deadline)"})
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
+        done = finish_processes(processes, max(1.0, min(timeout, DEADLINE[0] - time.monotonic())))
+    except FinishTimeout as exc:  # what came before the first straggler, then the error
+        done = list(itertools.takewhile(lambda result: not result.timed_out, exc.finished))
+        return [*map(result_of, done),
+                {"error": f"timed out ({timeout:g}s, or the --budget-s deadline)"}]
+    return [result_of(result) for result in done]
+
+
+def result_of(done: Finished) -> dict[str, Any]:
+    lines = done.json_lines()
+    return lines[-1] if lines else {"error": f"no result: {done.stderr[-2000:]}"}
 
 
 def rank_spec(job: str, daemons: list[LocalDaemon], rank: int, per_node: int,

@@ -36,8 +36,13 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # commd.testing when not installed
+
+from commd.testing.processes import stop_process
 
 SUBNET = "10.77.0"  # /24; node i is SUBNET.(i + 1)
 PREFIX = "commdbed"  # namespace names: commdbed-<pid>-<tag>-<n0|n1|…|hub>
@@ -218,7 +223,7 @@ class NetBed:
     def close(self) -> None:
         """Stop our processes and delete our namespaces (idempotent, never raises)."""
         for process in reversed(self._processes):
-            _stop_process(process)
+            stop_process(process, grace_s=5.0)  # SIGTERM, then SIGKILL
         self._processes.clear()
         for name in reversed(self._created):
             with contextlib.suppress(Exception):
@@ -322,19 +327,6 @@ def _checked(command: list[str]) -> None:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"`{' '.join(command)}` failed: {result.stderr.strip()}")
-
-
-def _stop_process(process: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.terminate()
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        process.wait()
 
 
 def threading_is_main() -> bool:

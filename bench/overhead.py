@@ -45,6 +45,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from commd.testing.processes import stop_process
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.10
 WORLD = 2
@@ -220,23 +222,12 @@ class Worker:
         return ""
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.process.poll() is None:
+        # EOF: the worker leaves its loop and closes cleanly; SIGTERM after ``timeout``,
+        # SIGKILL 5 s later.
+        stop_process(self.process, grace_s=timeout, close_stdin=True, term_grace_s=5)
+        if self.process.stdout is not None:
             with contextlib.suppress(OSError):
-                assert self.process.stdin is not None
-                self.process.stdin.close()  # EOF: the worker leaves its loop and closes cleanly
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.terminate()
-                try:
-                    self.process.wait(5)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+                self.process.stdout.close()
 
 
 class Harness:

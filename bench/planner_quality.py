@@ -1,7 +1,7 @@
 """How far each merge planner is from the optimum, on real profiles and node counts.
 
 For every profile, network and node count, each planner's plan is timed with the daemon's own
-timeline (``commd.planner.evaluate``) and reported as a ratio to the optimal plan's iteration
+timeline (``commd.plan.evaluate``) and reported as a ratio to the optimal plan's iteration
 time (optimal = 1.000), with the optimum's scaling efficiency (single node / iteration) and
 number of groups.
 
@@ -10,13 +10,13 @@ Networks: ring all-reduce over a preset, a = 2(N-1)·latency, b = 2(N-1)/N / ban
 also run under the MG-WFBP authors' simulator cost model (``mgwfbp-sim``), and a section
 checks the published MG-WFBP rule against the paper at 8 and 64 nodes.
 
-    .venv/bin/python bench/planner_quality.py                       # all shipped + googlenet
-    .venv/bin/python bench/planner_quality.py --profiles googlenet,resnet50 --nodes 8,64
+    .venv/bin/python bench/planner_quality.py                    # every shipped profile
+    .venv/bin/python bench/planner_quality.py --profiles googlenet_k80,resnet50 --nodes 8,64
     .venv/bin/python bench/planner_quality.py --json
 
-Profiles: shipped names (commd/profiles/NAME.json), profile files, or ``googlenet`` for the
-reference trace in ../shared/data/googlenet-k80-profile.json (read in place, never copied).
-Pure computation: runs in seconds.
+Profiles: shipped names (commd/plan/profiles/NAME.json) or profile files. The GoogleNet
+reference trace ships as ``googlenet_k80`` (``googlenet`` is an alias); it also gets the
+``mgwfbp-sim`` network and the check against the paper. Pure computation: runs in seconds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,12 +42,11 @@ from commd.plan import (
     plan_with,
     ready_times,
 )
-from commd.plan.model_profiles import Profile, load_profile, resolve_profile, shipped_profile_names
+from commd.plan.model_profiles import Profile, resolve_profile, shipped_profile_names
 from commd.plan.units import parse_nodes
 
-ROOT = Path(__file__).resolve().parents[1]
-GOOGLENET = "googlenet"
-GOOGLENET_PATH = ROOT.parent / "shared" / "data" / "googlenet-k80-profile.json"
+GOOGLENET = "googlenet_k80"  # the shipped MG-WFBP reference trace, commd/plan/profiles/
+ALIASES = {"googlenet": GOOGLENET}
 PLANNERS = ("wfbp", "syncea", "fixed-25MB", "ddp", "horovod", "mgwfbp", "optimal")
 DEFAULT_NODES = "4,8,16,32,64"
 DEFAULT_NETWORKS = ("10gbe", "100gbe")
@@ -322,19 +320,18 @@ def render(
 
 
 def load_profiles(spec: str | None) -> dict[str, Profile]:
-    """``None``: every shipped profile plus GoogleNet (when the reference file is there)."""
+    """``None``: every shipped profile, the GoogleNet reference (``googlenet_k80``) included."""
     if spec is None:
-        keys = [*shipped_profile_names()]
-        if GOOGLENET_PATH.is_file():
-            keys.append(GOOGLENET)
+        keys = shipped_profile_names()
+        if GOOGLENET not in keys:
+            raise ValueError(f"the shipped profile {GOOGLENET!r} is missing (broken install?)")
+        keys = [*(k for k in keys if k != GOOGLENET), GOOGLENET]  # last, next to its check
     else:
-        keys = list(dict.fromkeys(k.strip() for k in spec.split(",") if k.strip()))
+        keys = [ALIASES.get(k.strip(), k.strip()) for k in spec.split(",") if k.strip()]
+        keys = list(dict.fromkeys(keys))
         if not keys:
             raise ValueError("--profiles needs at least one profile")
-    profiles = {}
-    for key in keys:
-        profiles[key] = load_profile(GOOGLENET_PATH) if key == GOOGLENET else resolve_profile(key)
-    return profiles
+    return {key: resolve_profile(key) for key in keys}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -346,8 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--profiles",
         metavar="LIST",
-        help="comma-separated shipped names, files, or 'googlenet' (default: every shipped "
-        "profile and googlenet)",
+        help="comma-separated shipped names or files; 'googlenet' = googlenet_k80 (default: "
+        "every shipped profile, googlenet_k80 included)",
     )
     parser.add_argument(
         "--nodes",
@@ -357,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--networks",
         default=",".join(DEFAULT_NETWORKS),
-        help=f"networks (default %(default)s; googlenet also gets {MGWFBP_SIM})",
+        help=f"networks (default %(default)s; googlenet_k80 also gets {MGWFBP_SIM})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

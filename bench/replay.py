@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -25,20 +24,26 @@ from commd.cli.status import query
 from commd.plan import LinearCost, evaluate
 from commd.plan.model_profiles import resolve_profile
 from commd.testing.daemons import LocalDaemon
+from commd.testing.processes import finish, kill_all, start_json_worker
 
 PLANNERS = ("wfbp", "syncea", "fixed-25MB", "mgwfbp", "optimal")
 MEASURE_FROM = 15  # after the first informed plan (iteration 12) has settled
+RANKS_TIMEOUT_S = 600.0  # a planner's ranks must have exited this long after it was observed
 
 
-def replay_rank(rank: int, socket: str, coordinator: str, job: str, layers: list[tuple[str, int]],
-                backward: list[float], planner: str, iterations: int, out: Any) -> None:
+def replay_rank(spec: dict[str, Any]) -> None:
+    """One rank, in a process of its own (``replay.py _rank '<json spec>'``): prints its
+    iteration times as one JSON line."""
     from commd_client import Client
 
-    with Client(job=job, rank=rank, world_size=2, local_rank=0, local_world_size=1,
-                coordinator=coordinator, socket=socket, timeout=120) as client:
-        client.register(layers, dtype="float32", op="avg", planner=planner)
+    layers = [(name, size) for name, size in spec["layers"]]
+    backward = spec["backward"]
+    with Client(job=spec["job"], rank=spec["rank"], world_size=2, local_rank=0,
+                local_world_size=1, coordinator=spec["coordinator"], socket=spec["socket"],
+                timeout=120) as client:
+        client.register(layers, dtype="float32", op="avg", planner=spec["planner"])
         times = []
-        for _ in range(iterations):
+        for _ in range(spec["iterations"]):
             began = due = time.perf_counter()
             for index in reversed(range(len(layers))):
                 # Sleep to each layer's ready time on the profile's schedule, so that the
@@ -48,40 +53,36 @@ def replay_rank(rank: int, socket: str, coordinator: str, job: str, layers: list
                 client.ready(index)
             client.wait()
             times.append(time.perf_counter() - began)
-        out.put((rank, times, client.plan_version))
+        print(json.dumps({"rank": spec["rank"], "times": times,
+                          "plan_version": client.plan_version}), flush=True)
 
 
 def run_planner(daemons: list[LocalDaemon], planner: str, layers: list[tuple[str, int]],
                 backward: list[float], iterations: int) -> dict[str, Any]:
-    context = mp.get_context("spawn")
-    out = context.Queue()
     job = f"replay-{planner}"
-    ranks = [context.Process(target=replay_rank, args=(
-        rank, daemons[rank].socket, daemons[0].address, job, layers, backward, planner,
-        iterations, out)) for rank in range(2)]
-    for process in ranks:
-        process.start()
+    ranks = [start_json_worker([sys.executable, str(Path(__file__).resolve()), "_rank"], {
+        "rank": rank, "socket": daemons[rank].socket, "coordinator": daemons[0].address,
+        "job": job, "layers": layers, "backward": backward, "planner": planner,
+        "iterations": iterations}) for rank in range(2)]
     status = None
-    results = {}
     try:
         # Catch the job's model while it runs (the job is gone once the ranks close).
-        while len(results) < 2:
-            if status is None:
-                jobs = query(daemons[0].socket)["jobs"]
-                if jobs and jobs[0]["iteration"] >= MEASURE_FROM:
-                    status = jobs[0]
-            if not out.empty():
-                rank, times, version = out.get()
-                results[rank] = (times, version)
+        while status is None and any(process.poll() is None for process in ranks):
+            jobs = query(daemons[0].socket)["jobs"]
+            if jobs and jobs[0]["iteration"] >= MEASURE_FROM:
+                status = jobs[0]
             else:
                 time.sleep(0.02)
+        finished = finish(ranks, RANKS_TIMEOUT_S)
     finally:
-        for process in ranks:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
+        kill_all(ranks)
+    results = [done.last_json() for done in finished]
+    for done, result in zip(finished, results, strict=True):
+        if "times" not in result:
+            raise RuntimeError(f"a rank of {job} failed (exit code {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}")
     assert status is not None, "the job finished before it could be observed"
-    times = results[0][0][MEASURE_FROM:]
+    times = results[0]["times"][MEASURE_FROM:]
     sizes = [n * 4 for _, n in layers]
     cost = LinearCost(status["alpha_s"], status["beta_s_per_byte"])
     predicted = evaluate(status["groups"], sizes, backward, cost).iteration_s
@@ -135,4 +136,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["_rank"]:
+        replay_rank(json.loads(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main())

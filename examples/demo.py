@@ -2,7 +2,8 @@
 
 Node 0 and node 1 are two daemons on 127.0.0.1, each with two local ranks running
 examples/train.py (a small CNN on synthetic data). The demo prints what the ranks do, the
-daemons' view (`commd status`), and stops everything it started.
+daemons' view (`commd status`), and stops everything it started; the daemons' logs stay in a
+fresh /tmp/commd-demo-* folder (the last line names them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from commd.cli.status import query, render
 from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.processes import kill_all
+from commd_protocol.status import read_status
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,13 +62,13 @@ def main() -> int:
         for printer in printers:
             printer.start()
         if halfway.wait(timeout=300):
-            status = query(daemons[0].socket)
+            status = read_status(query(daemons[0].socket))
             print("\n[demo] `commd status` on node 0 while training:")
             print(render(status))
-            for job in status["jobs"]:
-                print(f"[demo] plan of {job['job']}: {len(job['groups'])} group(s) over "
-                      f"{job['layers']} layers, planner {job['planner']}, groups (forward "
-                      f"layer indices) {job['groups']}")
+            for job in status.jobs:
+                print(f"[demo] plan of {job.job}: {len(job.groups)} group(s) over "
+                      f"{job.layers} layers, planner {job.planner}, groups (forward "
+                      f"layer indices) {job.groups}")
             print("[demo] `commd status --json` on node 1, jobs only:")
             print(json.dumps(query(daemons[1].socket)["jobs"], indent=1)[:1500])
             print()
@@ -78,14 +81,13 @@ def main() -> int:
         print("[demo] all ranks finished; their parameter checksums above agree")
         return 0
     finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        kill_all(ranks)
         for daemon in daemons:
             daemon.stop()
         left = [name for name in commd_segments() if name.startswith("commd-demo")]
         print(f"[demo] stopped {len(daemons)} daemons; shared-memory segments left: {len(left)}")
+        logs = ", ".join(str(daemon.log_path) for daemon in daemons)
+        print(f"[demo] the daemons' logs are kept: {logs}")
 
 
 def _relay(process: subprocess.Popen[str], halfway: threading.Event, at_step: int) -> None:

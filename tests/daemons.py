@@ -1,4 +1,4 @@
-"""Real daemons as subprocesses for tests (see commd.launch)."""
+"""Real daemons as subprocesses for tests (see commd.testing.daemons)."""
 
 from commd.testing.daemons import LocalDaemon as DaemonProcess
 from commd.testing.daemons import commd_segments

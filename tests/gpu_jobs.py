@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from commd.testing.processes import finish, start_json_worker
 
 WORKER = str(Path(__file__).with_name("gpu_worker.py"))
 
@@ -27,22 +26,12 @@ def run_job(job: str, daemons: list[Any], ranks_per_node: int, *, dtype: str = "
                 "timeout": timeout, "layers": layers, "dtype": dtype, "op": op,
                 "iterations": iterations, "streams": 1 + rank % 2, "device": "cuda:0",
                 **(overrides or {}).get(rank, {})}
-        processes.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, env={**os.environ, **(env or {})}))
+        processes.append(start_json_worker([sys.executable, WORKER], spec, env=env))
     results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=timeout + 60)
-            lines = [line for line in stdout.splitlines() if line.startswith("{")]
-            result = json.loads(lines[-1]) if lines else {}
-            result.update(returncode=process.returncode, stderr=stderr[-3000:])
-            results.append(result)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for done in finish(processes, timeout + 60):
+        result = done.last_json()
+        result.update(returncode=done.returncode, stderr=done.stderr[-3000:])
+        results.append(result)
     return results
 
 

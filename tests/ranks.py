@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from commd.testing.processes import finish, start_json_worker
+
 from rank_worker import value
 
 WORKER = str(Path(__file__).with_name("rank_worker.py"))
@@ -48,10 +50,7 @@ def start_ranks(spec: JobSpec) -> list[subprocess.Popen[str]]:
             "compression": spec.compression,
             **spec.overrides.get(rank, {}),
         }
-        processes.append(subprocess.Popen(
-            [sys.executable, WORKER, json.dumps(worker_spec)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        processes.append(start_json_worker([sys.executable, WORKER], worker_spec))
     return processes
 
 
@@ -72,21 +71,14 @@ def daemon_status(socket: str) -> dict[str, Any]:
 
 
 def collect(processes: list[subprocess.Popen[str]], timeout: float = 90.0) -> list[dict[str, Any]]:
-    """The final JSON line of every rank; kills stragglers so nothing outlives the test."""
+    """The final JSON line of every rank, with its returncode and stderr, all within
+    ``timeout``; kills stragglers so nothing outlives the test."""
     results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=timeout)
-            lines = [line for line in stdout.splitlines() if line.startswith("{")]
-            final = json.loads(lines[-1]) if lines else {}
-            final["returncode"] = process.returncode
-            final["stderr"] = stderr
-            results.append(final)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for done in finish(processes, timeout):
+        final = done.last_json()
+        final["returncode"] = done.returncode
+        final["stderr"] = done.stderr
+        results.append(final)
     return results
 
 

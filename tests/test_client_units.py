@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from commd.testing.processes import finish
 from commd_client import CommdError, env
-from commd_client.dtypes import itemsize, numpy_dtype
-from commd_client.layout import backward_offsets, group_span
+from commd_client.dtypes import numpy_dtype
 from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET, DTYPES
+from commd_protocol.dtypes import itemsize
+from commd_protocol.layout import backward_offsets, group_span
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_NAMES = (
@@ -225,17 +227,11 @@ def test_client_without_a_daemon_fails_fast(tmp_path: Path) -> None:
     started = time.monotonic()
     runs = [subprocess.Popen([sys.executable, "-c", _CONNECT, str(p)], stdout=subprocess.PIPE,
                              text=True, cwd=REPO) for p in paths]
-    outputs = []
     try:
-        for run in runs:
-            left = max(0.1, 2.5 - (time.monotonic() - started))
-            outputs.append(run.communicate(timeout=left)[0])
+        left = max(0.1, 2.5 - (time.monotonic() - started))
+        outputs = [done.stdout for done in finish(runs, left)]
     except subprocess.TimeoutExpired:
         pytest.fail("Client() without a daemon did not return within 2.5 s (timeout=0.5)")
-    finally:
-        for run in runs:
-            run.kill()
-            run.wait()
     for output in outputs:
         result = json.loads(output)
         assert result["kind"] in ("CommdError", "CommdTimeout")

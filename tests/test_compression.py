@@ -8,6 +8,7 @@ from compression_reference import exchange, topk
 
 from commd.compression.topk import CompressionSpec, parse_compression, select_topk
 from commd.compression.topk import topk_count as k_of
+from commd.testing.processes import finish
 
 from rank_worker import value
 from ranks import JobSpec, collect, start_ranks
@@ -104,10 +105,9 @@ def test_ddp_with_compression_keeps_ranks_identical(start_daemon) -> None:
         processes.append(subprocess.Popen([sys.executable, str(script), "--steps", "4"],
                                           env=env, stdout=subprocess.PIPE, text=True))
     outputs = []
-    for process in processes:
-        out, _ = process.communicate(timeout=150)
-        assert process.returncode == 0, out
-        outputs.append(out)
+    for done in finish(processes, 150):  # a hang fails the test; every rank is killed
+        assert done.returncode == 0, done.stdout
+        outputs.append(done.stdout)
     sums = [line.rsplit("checksum", 1)[1].strip() for out in outputs
             for line in out.splitlines() if "done:" in line]
     assert len(sums) == 2 and sums[0] == sums[1], outputs

@@ -148,7 +148,7 @@ async def test_hello_errors(daemon: Daemon, connect: Any) -> None:
     assert reply["code"] == "mismatch" and "already connected" in reply["message"]
     reply = await connect().ask(hello(world=2, rank=1))  # disagrees with the job's world size
     assert reply["code"] == "mismatch" and "world_size" in reply["message"]
-    assert [job["job"] for job in daemon.status()["jobs"]] == ["j"]  # type: ignore[index]
+    assert [job.job for job in daemon.status().jobs] == ["j"]
 
 
 async def test_register_errors_change_nothing(daemon: Daemon, connect: Any,
@@ -214,8 +214,8 @@ async def test_a_job_in_another_language_with_bad_readies(daemon: Daemon, connec
             assert done["type"] == "done" and done["iteration"] == iteration, done
             expected = 2 * (np.arange(8) + iteration) + 10
             np.testing.assert_array_equal(buffers[local], expected)
-    status = daemon.status()["jobs"][0]  # type: ignore[index]
-    assert status["iteration"] == 3 and status["state"] == "running"
+    status = daemon.status().jobs[0]
+    assert status.iteration == 3 and status.state == "running"
     for client in ranks:
         await client.send({"type": "goodbye"})
     await still_serving(connect())

@@ -15,8 +15,8 @@ import pytest
 
 from commd.engines.base import EngineError
 from commd.engines.buffer_ops import HostOps
+from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
-from commd.plan.fitting import IterationRecord
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -130,7 +130,7 @@ async def test_done_before_the_device_finishes_then_the_record(executor: ThreadP
     assert log[-1] == "record 0" and seen["record"][0].iteration == 0
     assert pipeline.iteration == 1
     summary = pipeline.ready_to_launch.summary()
-    assert summary is not None and summary["samples"] == 2.0 and summary["p50_us"] >= 0
+    assert summary is not None and summary.samples == 2.0 and summary.p50_us >= 0
     pipeline.stop()
 
 

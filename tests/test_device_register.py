@@ -90,7 +90,7 @@ async def test_a_device_buffer_without_a_usable_gpu(daemon: Daemon, connect: Any
     assert reply["message"].startswith("commd: cannot use GPU 0000:01:00.0: commd: "), reply
     assert "cupy" in reply["message"] or "cuda" in reply["message"], reply
     await still_serving(client)
-    assert daemon.status()["jobs"][0]["state"] == "forming"  # type: ignore[index]
+    assert daemon.status().jobs[0].state == "forming"
 
 
 async def test_a_multi_node_device_job_needs_an_engine_that_takes_it(daemon: Daemon,
@@ -118,8 +118,9 @@ async def test_ready_to_launch_is_measured_from_sent_at(daemon: Daemon, connect:
         await client.send({"type": "ready", "layers": [0], "sent_at": time.monotonic()})
         done = await client.ask({"type": "wait", "iteration": iteration})
         assert done["type"] == "done", done
-    job = daemon.status()["jobs"][0]  # type: ignore[index]
-    assert job["device"] == "cpu"
-    latency = job["ready_to_launch"]
-    assert latency["samples"] == 3.0 and 0 <= latency["p50_us"] <= latency["p99_us"] < 1e6
+    job = daemon.status().jobs[0]
+    assert job.device == "cpu"
+    latency = job.ready_to_launch
+    assert latency is not None
+    assert latency.samples == 3.0 and 0 <= latency.p50_us <= latency.p99_us < 1e6
     await client.send({"type": "goodbye"})

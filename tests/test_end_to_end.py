@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from commd.testing.processes import kill_all
+
 from ranks import JobSpec, collect, expected, start_ranks
 
 LAYERS = [("conv1.weight", 27), ("conv1.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
@@ -98,8 +100,7 @@ def test_status_shows_running_job(start_daemon) -> None:
         ).stdout
         assert "observed" in table and "running" in table
     finally:
-        for process in processes:
-            process.kill()
+        kill_all(processes)
         collect(processes)
 
 

@@ -7,7 +7,6 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ from commd.plan import (
     validate_plan,
 )
 
-GOOGLENET = Path(__file__).resolve().parents[2] / "shared" / "data" / "googlenet-k80-profile.json"
+GOOGLENET = "googlenet_k80"  # shipped: commd/plan/profiles/googlenet_k80.json
 ALL_PLANNERS = [*PLANNER_NAMES, "fixed:25MB", "fixed:1", "fixed:128MiB"]
 
 Instance = tuple[list[int], list[float], LinearCost]
@@ -402,11 +401,11 @@ def test_units() -> None:
 # ----------------------------------------------------------------------------- the paper
 
 
-@pytest.mark.skipif(not GOOGLENET.is_file(), reason=f"reference data {GOOGLENET} not present")
 def test_googlenet_optimal_beats_the_published_rule_at_64_nodes() -> None:
-    from commd.plan.model_profiles import load_profile
+    from commd.plan.model_profiles import resolve_profile
 
-    profile = load_profile(GOOGLENET)
+    profile = resolve_profile(GOOGLENET)
+    assert len(profile.sizes_bytes) == 64
     sizes, backward, forward = profile.sizes_bytes, profile.backward_s, profile.forward_s
     for nodes in (8, 16, 32, 64):
         cost = mgwfbp_sim_cost(nodes)

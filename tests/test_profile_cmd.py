@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,26 @@ def test_format_profile_is_json_with_one_layer_per_line() -> None:
     text = profile_cmd.format_profile(profile)
     assert json.loads(text) == profile
     assert sum('"bytes"' in line for line in text.splitlines()) == 3
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_output_file_mode_follows_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    # Like a plain open(): 0666 & ~umask, not mkstemp's 0600.
+    out = tmp_path / "profile.json"
+    old = os.umask(umask)
+    try:
+        profile_cmd._write("{}\n", str(out))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == mode
+    assert out.read_text() == "{}\n"
+    assert not list(tmp_path.glob(".profile-*"))
+
+
+def test_defaults_are_quick() -> None:
+    # A newcomer's first `commd profile --model resnet50` takes ~15 s on 2 cores, not ~100 s.
+    args = parser().parse_args(["profile", "--model", "resnet50"])
+    assert (args.batch_size, args.iterations, args.warmup) == (8, 5, 1)
 
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)

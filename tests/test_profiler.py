@@ -6,16 +6,9 @@ import numpy as np
 import pytest
 
 from commd.coordinator.replanner import DRIFT, Replanner
+from commd.job.measurements import CommSample, IterationRecord, NodeProfiler
 from commd.plan import LinearCost, evaluate, optimal
-from commd.plan.fitting import (
-    CommSample,
-    IterationRecord,
-    NodeProfiler,
-    backward_from_offsets,
-    combine_comm,
-    fit_cost,
-    profile_drift,
-)
+from commd.plan.fitting import backward_from_offsets, combine_comm, fit_cost, profile_drift
 from commd_protocol import PeerProfile
 
 

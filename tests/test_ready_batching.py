@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
-from commd.plan.fitting import IterationRecord
+from commd.testing.processes import kill_all
 from commd_client.batching import ReadyBatcher
 
 from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
@@ -119,6 +120,5 @@ def test_daemon_gets_one_notification_per_group(start_daemon) -> None:
         # Iteration 0 may run before the client knows the plan (then: a message per layer).
         assert job["ready_messages"] <= job["iteration"] + 1 + len(layers), job
     finally:
-        for process in processes:
-            process.kill()
+        kill_all(processes)
         collect(processes)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from commd.testing.processes import kill_all
+
 from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
@@ -55,6 +57,5 @@ def test_status_reports_model_and_prediction(start_daemon) -> None:
         assert job["predicted_comm_s"] is not None and job["plan_version"] >= 1
         assert job["plan_history"][0]["iteration"] == 0
     finally:
-        for process in processes:
-            process.kill()
+        kill_all(processes)
         collect(processes)

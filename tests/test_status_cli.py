@@ -21,6 +21,7 @@ from commd.cli.main import main
 from commd.cli.status import render
 from commd_protocol import Done, StatusReply, StatusRequest, encode
 from commd_protocol.codec import client_codec
+from commd_protocol.status import read_status
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,7 +124,7 @@ COLUMNS = ["JOB", "STATE", "RANKS", "NODE", "ITER", "PLANNER", "GROUPS", "ITER_M
 
 
 def test_render_a_table_of_jobs() -> None:
-    text = render(SAMPLE)
+    text = render(read_status(SAMPLE))
     lines = text.splitlines()
     assert "0.1.0" in lines[0] and "gloo" in lines[0] and "4321" in lines[0]
     assert "125s" in lines[0]
@@ -148,15 +149,16 @@ def test_render_a_table_of_jobs() -> None:
 
 def test_render_no_jobs() -> None:
     empty = {**SAMPLE, "jobs": []}
-    text = render(empty)
+    text = render(read_status(empty))
     assert text.splitlines()[-1] == "no jobs"
     assert "JOB" not in text
-    assert render({k: v for k, v in SAMPLE.items() if k != "jobs"}).endswith("no jobs")
+    assert render(read_status({k: v for k, v in SAMPLE.items() if k != "jobs"})).endswith(
+        "no jobs")
 
 
 def test_render_a_status_that_travelled_the_wire() -> None:
     reply = msgspec.msgpack.decode(encode(StatusReply(status=SAMPLE)), type=StatusReply)
-    assert render(reply.status) == render(SAMPLE)
+    assert render(read_status(reply.status)) == render(read_status(SAMPLE))
 
 
 @pytest.fixture
@@ -185,7 +187,7 @@ def test_status_prints_the_table(answering: Callable[[bytes], str]) -> None:
     path = answering(encode(StatusReply(status=SAMPLE)))
     result = status_cli("--socket", path, "--timeout", "5")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.rstrip("\n") == render(SAMPLE)
+    assert result.stdout.rstrip("\n") == render(read_status(SAMPLE))
 
 
 def test_status_json(

@@ -11,7 +11,6 @@ union, which is what torch DDP computes too.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from ddp_worker import batch, build_model, loss_of, sgd_step
 from torch import nn
 
 from commd.testing.daemons import LocalDaemon
+from commd.testing.processes import finish, start_json_worker
 from commd_client import CommdError
 from commd_client._torch_common import check_cpu
 from commd_client.torch import DistributedDataParallel
@@ -67,17 +67,8 @@ def run_ranks(
             "out": str(out),
         }
         outputs.append(out)
-        processes.append(subprocess.Popen(
-            [sys.executable, WORKER, json.dumps(spec)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
-    try:
-        errors = [process.communicate(timeout=timeout + 30)[1] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        processes.append(start_json_worker([sys.executable, WORKER], spec))
+    errors = [done.stderr for done in finish(processes, timeout + 30)]
     results = []
     for rank, (process, out) in enumerate(zip(processes, outputs, strict=True)):
         assert process.returncode == 0 and out.exists(), f"rank {rank}: {errors[rank]}"
@@ -169,13 +160,7 @@ def test_train_example_under_torchrun_environment(nodes) -> None:
             [sys.executable, EXAMPLE, "--steps", "3", "--batch-size", "4"], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
-    try:
-        outputs = [process.communicate(timeout=50)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    outputs = [done.stdout for done in finish(processes, 50)]
     done = []
     for process, output in zip(processes, outputs, strict=True):
         assert process.returncode == 0, output

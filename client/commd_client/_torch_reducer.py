@@ -81,10 +81,6 @@ class Reducer:
             for index, param in enumerate(self.params)
         ]
 
-    @property
-    def registered(self) -> bool:
-        return bool(self._buckets)
-
     # --- forward --------------------------------------------------------------------------------
 
     def prepare_forward(self) -> None:

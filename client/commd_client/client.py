@@ -28,13 +28,13 @@ from commd_protocol import (
     Welcome,
     error_from_reply,
 )
+from commd_protocol.layout import backward_offsets
 
 from . import env
 from .batching import ReadyBatcher
 from .connection import Connection
 from .cuda import DeviceBuffer, parse_device
 from .dtypes import numpy_dtype
-from .layout import backward_offsets
 from .shm import GradientSegment, segment_name
 
 _HELLO_TIMEOUT_S = 10.0
@@ -159,31 +159,20 @@ class Client:
         """
         if self._segment is not None or self._device is not None:
             raise CommdError("commd: register() was already called on this client")
-        if dtype not in DTYPES:
-            raise CommdError(f"commd: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-        if op not in OPS:
-            raise CommdError(f"commd: unsupported op {op!r}; use one of {', '.join(OPS)}")
-        if not layers:
-            raise CommdError("commd: register() needs at least one layer")
+        _check_layout(layers, dtype, op)
         index = None if device == "cpu" else parse_device(device)
-        np_dtype = numpy_dtype(dtype)
         self._sizes = [int(size) for _, size in layers]
         total = sum(self._sizes)
         flat: Any
         where: dict[str, Any]
         if device == "cpu":
             self._segment = GradientSegment(segment_name(self.job, self.rank),
-                                            total * np_dtype.itemsize)
-            flat = np.frombuffer(self._segment.buf, dtype=np_dtype, count=total)
+                                            total * numpy_dtype(dtype).itemsize)
+            flat = np.frombuffer(self._segment.buf, dtype=numpy_dtype(dtype), count=total)
             where = {"shm_name": self._segment.name}
         else:
             self._device = DeviceBuffer(total, dtype, index)
-            flat = self._device.flat
-            where = {"shm_name": "", "device": "cuda", "device_bus_id": self._device.bus_id,
-                     "device_index": self._device.device_index,
-                     "ipc_handle": self._device.ipc_handle,
-                     "ipc_offset": self._device.ipc_offset,
-                     "event_handle": self._device.event_handle}
+            flat, where = self._device.flat, self._device.registration_fields()
         offsets = backward_offsets(self._sizes)
         views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]
         self._connection.send(
@@ -197,6 +186,15 @@ class Client:
                 **where,
             )
         )
+        reply = self._registered()
+        self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
+        self._batch = ReadyBatcher(len(self._sizes))
+        self._batch.announce(reply.plan, reply.groups)
+        self.flat = flat
+        return views
+
+    def _registered(self) -> Registered:
+        """The daemon's answer to register, once the whole job has formed."""
         reply = self._connection.receive(self.timeout, "the job to form (every rank to register)")
         if isinstance(reply, Error):
             raise self._latch(reply)
@@ -207,11 +205,7 @@ class Client:
                 raise CommdError("commd: the daemon sent no done event: it is too old for "
                                  "device buffers; upgrade commd")
             self._device.open_done(reply.done_event)
-        self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
-        self._batch = ReadyBatcher(len(self._sizes))
-        self._batch.announce(reply.plan, reply.groups)
-        self.flat = flat
-        return views
+        return reply
 
     @property
     def device_pointer(self) -> int:
@@ -296,3 +290,12 @@ class Client:
         if reply.fatal:
             self._failure = error
         return error
+
+
+def _check_layout(layers: Sequence[tuple[str, int]], dtype: str, op: str) -> None:
+    if dtype not in DTYPES:
+        raise CommdError(f"commd: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if op not in OPS:
+        raise CommdError(f"commd: unsupported op {op!r}; use one of {', '.join(OPS)}")
+    if not layers:
+        raise CommdError("commd: register() needs at least one layer")

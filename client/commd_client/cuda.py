@@ -19,11 +19,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from commd_protocol import CommdError
+from commd_protocol import INTERPROCESS_EVENT_FLAGS, CommdError
 
 from .dtypes import numpy_dtype
-
-INTERPROCESS_EVENT = 6  # cudaEventInterprocess | cudaEventDisableTiming
 
 
 def import_cupy() -> Any:
@@ -87,7 +85,7 @@ class DeviceBuffer:
                 self.flat = self._cupy.ndarray((count,), element,
                                                self._cupy.cuda.MemoryPointer(memory, 0))
                 self.ipc_handle = bytes(runtime.ipcGetMemHandle(self._pointer))
-                self._event = int(runtime.eventCreateWithFlags(INTERPROCESS_EVENT))
+                self._event = int(runtime.eventCreateWithFlags(INTERPROCESS_EVENT_FLAGS))
                 self.event_handle = bytes(runtime.ipcGetEventHandle(self._event))
                 self.bus_id = str(self._cupy.cuda.Device(self.device_index).pci_bus_id)
         except CommdError:
@@ -98,6 +96,12 @@ class DeviceBuffer:
             raise CommdError(f"commd: cannot set up the device buffer on GPU "
                              f"{self.device_index}: {exc}") from exc
         self.ipc_offset = 0  # the flat buffer is the allocation's start
+
+    def registration_fields(self) -> dict[str, Any]:
+        """The fields of ``register`` that tell the daemon where this buffer is."""
+        return {"shm_name": "", "device": "cuda", "device_bus_id": self.bus_id,
+                "device_index": self.device_index, "ipc_handle": self.ipc_handle,
+                "ipc_offset": self.ipc_offset, "event_handle": self.event_handle}
 
     def open_done(self, handle: bytes) -> None:
         """Open the daemon's done event (from ``registered``)."""

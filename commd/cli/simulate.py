@@ -1,6 +1,6 @@
 """``commd simulate``: which merge plan wins, and how it scales, from a profile; no cluster needed.
 
-The planners and the timeline are the daemon's own (commd.planner); this module only reads
+The planners and the timeline are the daemon's own (commd.plan); this module only reads
 the profile, derives the all-reduce cost per node count and prints tables, JSON or a plot.
 """
 
@@ -241,7 +241,8 @@ examples:
   commd simulate --profile model.json --latency 50us --bandwidth 10Gbps --nodes 2..1024 \\
       --plot scaling.png
   commd simulate --profile model.json --alpha 0.5ms --beta 0.8ns --json
-  commd simulate --profile googlenet-k80.json --network mgwfbp-sim --nodes 8..64
+  the MG-WFBP paper's GoogleNet trace (shipped) under the authors' simulator model:
+  commd simulate --profile googlenet_k80 --network mgwfbp-sim --nodes 8..64
 """
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+import msgspec
 import zmq
 
 from commd_protocol import (
@@ -18,6 +19,7 @@ from commd_protocol import (
     encode,
 )
 from commd_protocol.codec import daemon_codec
+from commd_protocol.status import DaemonStatus, JobStatus, read_status
 
 
 class NoDaemon(Exception):
@@ -47,66 +49,62 @@ def query(socket_path: str, timeout_s: float = 3.0) -> dict[str, Any]:
         sock.close(linger=0)
 
 
-def render(status: dict[str, Any]) -> str:
+def render(status: DaemonStatus) -> str:
     lines = [
-        f"commd {status['version']}  backend {status['backend']}  pid {status.get('pid')}  "
-        f"up {status['uptime_s']:.0f}s",
-        f"clients {status.get('socket')}  peers {status.get('listen')}",
+        f"commd {status.version}  backend {status.backend}  pid {status.pid}  "
+        f"up {status.uptime_s:.0f}s",
+        f"clients {status.socket}  peers {status.listen}",
     ]
-    jobs = status.get("jobs", [])
-    if not jobs:
+    if not status.jobs:
         lines.append("no jobs")
         return "\n".join(lines)
     header = ("JOB", "STATE", "RANKS", "NODE", "ITER", "PLANNER", "GROUPS", "ITER_MS")
     rows = [header]
-    for job in jobs:
-        timing = job.get("iteration_s") or {}
-        node = (
-            f"{job['node_index']}/{job['nodes']}" if job.get("nodes") is not None else "-"
-        )
+    for job in status.jobs:
+        node = f"{job.node_index}/{job.nodes}" if job.nodes is not None else "-"
         rows.append((
-            job["job"],
-            job["state"],
-            ",".join(str(r) for r in job["local_ranks"]) + f" of {job['world_size']}",
+            job.job,
+            job.state.value,
+            ",".join(str(r) for r in job.local_ranks) + f" of {job.world_size}",
             node,
-            str(job["iteration"]),
-            str(job.get("planner") or "-"),
-            str(len(job.get("groups") or [])),
-            f"{1000 * timing.get('mean', 0.0):.1f}" if timing else "-",
+            str(job.iteration),
+            job.planner or "-",
+            str(len(job.groups)),
+            f"{1000 * job.iteration_s.mean:.1f}" if job.iteration_s else "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    for job in jobs:
+    for job in status.jobs:
         lines.extend(_details(job))
     return "\n".join(lines)
 
 
-def _details(job: dict[str, Any]) -> list[str]:
+def _details(job: JobStatus) -> list[str]:
     """The network model, the prediction against the measurement, compression, errors."""
     lines = []
-    name = job["job"]
-    if job.get("alpha_s") is not None:
+    name = job.job
+    if job.alpha_s is not None:
         lines.append(
-            f"{name}: network a={job['alpha_s'] * 1e6:.0f} µs b={job['beta_s_per_byte'] * 1e9:.3f}"
-            f" ns/B; exposed comm predicted {job['predicted_comm_s'] * 1e3:.2f} ms, measured "
-            f"{job.get('measured_comm_s', 0.0) * 1e3:.2f} ms; plan v{job.get('plan_version')} "
-            f"({job.get('plan_reason')})"
+            f"{name}: network a={job.alpha_s * 1e6:.0f} µs b={(job.beta_s_per_byte or 0) * 1e9:.3f}"
+            f" ns/B; exposed comm predicted {(job.predicted_comm_s or 0) * 1e3:.2f} ms, measured "
+            f"{job.measured_comm_s * 1e3:.2f} ms; plan v{job.plan_version} "
+            f"({job.plan_reason})"
         )
-    if job.get("plan_search") not in (None, "off"):
+    if job.plan_search not in (None, "off"):
         lines.append(
-            f"{name}: plan search {job['plan_search']}: per-group overhead "
-            f"{(job.get('plan_overhead_s') or 0.0) * 1e6:.0f} µs added to a"
+            f"{name}: plan search {job.plan_search}: per-group overhead "
+            f"{(job.plan_overhead_s or 0.0) * 1e6:.0f} µs added to a"
         )
-    if job.get("compression") not in (None, "none"):
-        kinds = job.get("exchanges") or []
+    if job.compression not in (None, "none"):
+        kinds = job.exchanges
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
         lines.append(
-            f"{name}: compression {job['compression']}: ratio {job.get('ratio') or 0:.4g}, "
-            f"groups by exchange: {counts or '-'}, gain {job.get('gain', 1.0):.3f}"
+            f"{name}: compression {job.compression}: ratio {job.ratio or 0:.4g}, "
+            f"groups by exchange: {counts or '-'}, gain {job.gain:.3f}"
         )
-    if job.get("error"):
-        lines.append(f"{name}: {job['error']}")
+    if job.error:
+        lines.append(f"{name}: {job.error}")
     return lines
 
 
@@ -134,5 +132,13 @@ def run(args: argparse.Namespace) -> int:
     except NoDaemon as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2) if args.json else render(status))
+    if args.json:  # the daemon's map as it sent it: a newer daemon's keys included
+        print(json.dumps(status, indent=2))
+        return 0
+    try:
+        typed = read_status(status)
+    except msgspec.ValidationError as exc:
+        print(f"commd: unreadable status from {args.socket}: {exc}", file=sys.stderr)
+        return 1
+    print(render(typed))
     return 0

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 import msgspec
 
 from commd.coordinator.replanner import Replanner
-from commd.job.agreement import describe_difference
-from commd_client.dtypes import itemsize
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
@@ -24,6 +22,10 @@ from commd_protocol import (
     PeerProfile,
     PeerSetup,
 )
+from commd_protocol.agreement import describe_difference
+from commd_protocol.dtypes import itemsize
+from commd_protocol.errors import prefixed
+from commd_protocol.status import CoordinatedJob
 
 log = logging.getLogger("commd.coordinator")
 
@@ -145,7 +147,7 @@ class Coordinator:
             self._send(member, message)
 
     def _abort_all(self, formation: Formation, code: str, message: str) -> None:
-        text = f"commd: job {formation.job!r}: {message}"
+        text = prefixed(message, f"job {formation.job!r}: ")
         log.error("%s", text)
         for node in formation.joins:
             self._send(node, PeerAbort(job=formation.job, code=code, message=text))
@@ -167,8 +169,6 @@ class Coordinator:
         if not formation.joins:
             del self._jobs[leave.job]
 
-    def status(self) -> list[dict[str, object]]:
-        return [
-            {"job": f.job, "formed": f.formed, "nodes": len(f.joins), "world_size": f.world_size}
-            for f in self._jobs.values()
-        ]
+    def status(self) -> list[CoordinatedJob]:
+        return [CoordinatedJob(job=f.job, formed=f.formed, nodes=len(f.joins),
+                               world_size=f.world_size) for f in self._jobs.values()]

@@ -26,7 +26,6 @@ from commd.compression.topk import CompressionSpec, parse_compression
 from commd.coordinator.plan_search import PlanSearch
 from commd.plan import LinearCost, evaluate, plan_with
 from commd.plan.fitting import (
-    DECISION_LAG,
     allreduce_terms,
     backward_from_offsets,
     combine_comm,
@@ -35,6 +34,7 @@ from commd.plan.fitting import (
     relative_change,
 )
 from commd_protocol import PeerProfile
+from commd_protocol.peer import DECISION_LAG
 
 DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a re-plan
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement

@@ -1,7 +1,7 @@
 """One typed settings object: defaults ← config file ← COMMD_* environment ← command line.
 
-Every option is declared once, in ``OPTIONS``, with its type, default and help; argparse
-flags, environment variables and TOML keys are all derived from that table.
+Every option is declared once, as a field of ``Settings`` with its type, default and help;
+``OPTIONS``, argparse flags, environment variables and TOML keys are derived from the fields.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET
+from commd_protocol.address import split_host_port as split_address
 
 BACKENDS = ("auto", "gloo", "nccl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -24,6 +25,32 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 class SettingsError(ValueError):
     """A bad option value, naming where it came from."""
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A settings field: its default, its help line and its valid values, said once."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket: str = _option(DEFAULT_SOCKET, "ipc socket path for this node's training processes")
+    listen: str = _option(f"0.0.0.0:{DEFAULT_PEER_PORT}", "HOST:PORT for peer daemons")
+    backend: str = _option("auto", "collective engine (auto: nccl with a GPU, else gloo)",
+                           BACKENDS)
+    advertise: str = _option("", "address peers reach this node's engine at (default: the "
+                             "local address that routes to the coordinator)")
+    timeout_s: float = _option(300.0, "engine set-up and collective timeout in seconds")
+    planner: str = _option("optimal", "default merge planner for jobs that do not name one")
+    log_level: str = _option("info", "log level", LOG_LEVELS)
+
+    @property
+    def listen_host(self) -> str:
+        return split_host_port(self.listen, "listen")[0]
+
+    @property
+    def listen_port(self) -> int:
+        return split_host_port(self.listen, "listen")[1]
 
 
 @dataclass(frozen=True)
@@ -35,43 +62,23 @@ class Option:
     choices: tuple[str, ...] | None = None
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("socket", str, DEFAULT_SOCKET, "ipc socket path for this node's training processes"),
-    Option("listen", str, f"0.0.0.0:{DEFAULT_PEER_PORT}", "HOST:PORT for peer daemons"),
-    Option("backend", str, "auto", "collective engine (auto: nccl with a GPU, else gloo)",
-           BACKENDS),
-    Option("advertise", str, "", "address peers reach this node's engine at (default: the "
-           "local address that routes to the coordinator)"),
-    Option("timeout_s", float, 300.0, "engine set-up and collective timeout in seconds"),
-    Option("planner", str, "optimal", "default merge planner for jobs that do not name one"),
-    Option("log_level", str, "info", "log level", LOG_LEVELS),
+_TYPES = {"str": str, "float": float}  # the annotations, as strings (postponed evaluation)
+
+# Every option, derived from the fields of Settings: flags, env names and TOML keys come from it.
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(f.name, _TYPES[str(f.type)], f.default, f.metadata["help"], f.metadata["choices"])
+    for f in dataclasses.fields(Settings)
 )
 
 
-@dataclass(frozen=True)
-class Settings:
-    socket: str = DEFAULT_SOCKET
-    listen: str = f"0.0.0.0:{DEFAULT_PEER_PORT}"
-    backend: str = "auto"
-    advertise: str = ""
-    timeout_s: float = 300.0
-    planner: str = "optimal"
-    log_level: str = "info"
-
-    @property
-    def listen_host(self) -> str:
-        return split_host_port(self.listen, "listen")[0]
-
-    @property
-    def listen_port(self) -> int:
-        return split_host_port(self.listen, "listen")[1]
-
-
 def split_host_port(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    try:
+        host, port = split_address(value)
+    except ValueError:
+        host, port = "", -1
+    if not 0 <= port < 65536:
         raise SettingsError(f"commd: {what} must be HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    return host, port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
+from commd.engines.buffer_ops import BufferOps
+from commd.engines.completion import Completion
 
-if TYPE_CHECKING:
-    from commd.engines.buffer_ops import BufferOps
 
-# A collective's future resolves to the seconds the collective itself took when the engine
-# measures it (device timing events), else to None (the caller times it from the outside).
-Completion = asyncio.Future[float | None]
+class EngineError(Exception):
+    """A failed set-up or collective; the message carries the library's own words."""
 
 
 @dataclass(frozen=True)
@@ -29,10 +25,6 @@ class EngineConfig:
     store_port: int
     host: str  # the address this node's engine listens on
     timeout_s: float
-
-
-class EngineError(Exception):
-    """A failed set-up or collective; the message carries the library's own words."""
 
 
 class Engine(ABC):
@@ -75,29 +67,3 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Leave the group; safe to call twice and after a failure."""
-
-
-def bridge_future(
-    loop: asyncio.AbstractEventLoop,
-) -> tuple[Completion, Callable[[BaseException | None], None]]:
-    """An asyncio future plus a thread-safe callback that completes it with an error or not."""
-    future: Completion = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    def from_any_thread(error: BaseException | None = None) -> None:
-        loop.call_soon_threadsafe(settle, error)
-
-    return future, from_any_thread
-
-
-def check_same_length(arrays: Sequence[np.ndarray]) -> None:
-    lengths = {a.size for a in arrays}
-    if len(lengths) > 1:
-        raise ValueError(f"buffers differ in length: {sorted(lengths)}")

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from commd.engines import host_ops
-from commd.engines.base import Completion
-from commd_client.dtypes import numpy_dtype
+from commd.engines.completion import Completion
+from commd.engines.dtypes import numpy_dtype
 
 Buffer = Any  # numpy.ndarray on the host, cupy.ndarray on a device
 

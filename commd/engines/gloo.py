@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from commd.engines.base import Completion, Engine, EngineConfig, EngineError, bridge_future
+from commd.engines.base import Engine, EngineConfig, EngineError
+from commd.engines.completion import Completion, bridge_future
 
 log = logging.getLogger("commd.engine.gloo")
 

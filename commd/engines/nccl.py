@@ -21,8 +21,9 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from commd.engines.base import Completion, Engine, EngineConfig, EngineError
+from commd.engines.base import Engine, EngineConfig, EngineError
 from commd.engines.buffer_ops import BufferOps
+from commd.engines.completion import Completion
 from commd.engines.cuda import calls as cuda_calls
 from commd.engines.nccl_tables import (
     ITEMSIZE,

@@ -1,5 +1,5 @@
 """Attaching a rank's registered flat buffer: POSIX shared memory on the host, or device memory
-through CUDA IPC. The job keeps what these return; nothing here knows about jobs."""
+through CUDA IPC. The job keeps what these return."""
 
 from __future__ import annotations
 
@@ -7,13 +7,31 @@ from typing import Any
 
 from commd.engines.base import EngineError
 from commd.engines.buffer_ops import BufferOps, HostOps
+from commd.engines.dtypes import numpy_dtype
 from commd.job.segments import SegmentError, SharedSegment
-from commd_client.dtypes import numpy_dtype
+from commd.job.state import LocalRank
 from commd_protocol import DEVICES, Register
 
 
 class AttachError(ValueError):
     """The buffer cannot be attached; the message says why (it goes to the client)."""
+
+
+def attach(ops: BufferOps | None, member: LocalRank, message: Register, total: int,
+           timeout_s: float) -> BufferOps:
+    """Map ``member``'s buffer of ``total`` elements; returns the job's buffer operations,
+    made for the first rank that registers. AttachError says why it cannot be mapped."""
+    if ops is not None:
+        problem = same_device(ops, message)
+        if problem:
+            raise AttachError(f"rank {member.rank} registered {problem}")
+    if message.device == "cpu":
+        member.segment, member.buffer = attach_host(message, total)
+    if ops is None:
+        ops = new_ops(message, timeout_s)
+    if message.device != "cpu":
+        member.buffer = attach_device(ops, member.local_rank, message, total)
+    return ops
 
 
 def check_fields(message: Register) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commd_protocol.status import LatencySummary
+
 
 class LatencyWindow:
     """The last ``capacity`` samples in seconds; percentiles in microseconds."""
@@ -20,11 +22,11 @@ class LatencyWindow:
     def count(self) -> int:
         return self._count
 
-    def summary(self) -> dict[str, float] | None:
-        """{"p50_us", "p99_us", "max_us", "samples"} over the window; None when empty."""
+    def summary(self) -> LatencySummary | None:
+        """Percentiles over the window; None when empty."""
         if self._count == 0:
             return None
         window = self._samples[: min(self._count, self._samples.size)] * 1e6
         p50, p99 = np.percentile(window, [50, 99])
-        return {"p50_us": round(float(p50), 1), "p99_us": round(float(p99), 1),
-                "max_us": round(float(window.max()), 1), "samples": float(window.size)}
+        return LatencySummary(p50_us=round(float(p50), 1), p99_us=round(float(p99), 1),
+                              max_us=round(float(window.max()), 1), samples=float(window.size))

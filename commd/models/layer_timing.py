@@ -109,14 +109,7 @@ def measure(
     clock: _Clock = _CudaClock() if torch.device(device).type == "cuda" else _HostClock()
 
     marks: list[Any] = [None] * len(params)
-
-    def hook_for(i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            marks[i] = clock.mark()
-
-        return hook
-
-    handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, (_, p) in enumerate(params)]
+    handles = _mark_when_ready(params, marks, clock)
     forwards: list[float] = []
     spans: list[float] = []
     calls: list[float] = []
@@ -149,6 +142,25 @@ def measure(
         for h in handles:
             h.remove()
 
+    return _summarise(params, forwards, calls, spans, deltas)
+
+
+def _mark_when_ready(params: list[tuple[str, nn.Parameter]], marks: list[Any],
+                     clock: _Clock) -> list[Any]:
+    """Hooks that stamp ``marks[i]`` when parameter i's gradient is accumulated."""
+
+    def hook_for(i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            marks[i] = clock.mark()
+
+        return hook
+
+    return [p.register_post_accumulate_grad_hook(hook_for(i)) for i, (_, p) in enumerate(params)]
+
+
+def _summarise(params: list[tuple[str, nn.Parameter]], forwards: list[float], calls: list[float],
+               spans: list[float], deltas: list[list[float]]) -> Measurement:
+    """Per-layer medians, scaled to sum to the median backward span."""
     medians = [statistics.median(col) for col in zip(*deltas, strict=True)]
     span = statistics.median(spans)
     total = sum(medians)

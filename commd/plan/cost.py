@@ -77,7 +77,8 @@ def mgwfbp_sim_cost(nodes: int) -> LinearCost:
     """The cost model of the MG-WFBP authors' simulator (K80 cluster, 10GbE).
 
     a = 2·n·45.25 µs and b = 2(n-1)/n · 1.2/(9 GiB/s) + (n-1)/n · 160/64e9 s/byte
-    (design.md, "Checking against the papers"). One node costs zero, as for the ring.
+    (the authors' simulator; Shi, Chu, Li, MG-WFBP, INFOCOM 2019, and docs/planner.md). One
+    node costs zero, as for the ring.
     """
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}")

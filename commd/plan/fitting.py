@@ -1,43 +1,31 @@
-"""Runtime profiling: timings in, the planner's inputs out (alpha, beta, backward times).
+"""Fitting the planner's inputs to measurements: a and b from timed collectives, backward
+times from ready offsets, and how far a new fit moved from the last.
 
-Pure functions plus one small accumulator per job and node; nothing here does I/O.
-Backward times come from the moments each layer became ready on the node (the daemon stamps
-ready notifications as they arrive — same node, well under a millisecond late). a and b come
-from the job's own collectives, fitted by least squares, plus a probe over a range of sizes
-when the job starts.
+Pure functions: the nodes time their collectives and stamp their ready marks (the clients stamp
+each layer; see ``commd.job.measurements``), the coordinator fits what every node reported.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
-import numpy.ma
 
-from commd.plan import LinearCost
+from commd.plan.cost import LinearCost
+from commd_protocol.peer import ALLGATHER, ALLREDUCE
 
-# The start-up probe: float32 element counts (1 KiB … 4 MiB), each run PROBE_REPEATS times;
-# the first round is a warm-up that also absorbs the nodes' arrival skew.
-PROBE_ELEMENTS = (256, 4096, 65536, 262144, 1048576)
-PROBE_REPEATS = 4
-REPORT_EVERY = 10  # iterations per report round: each node sends its profile, the
-DECISION_LAG = 2  # coordinator answers with the plan for iteration last + 1 + DECISION_LAG
-
-
-ALLREDUCE, ALLGATHER = 0, 1  # kinds of timed collectives in a report
-
-
-@dataclass(frozen=True)
-class CommSample:
-    """One collective: the wire time from when it could start to when it finished."""
-
-    key: tuple[int, int]  # (iteration, group) — the same collective on every node
-    nbytes: int  # all-reduce: the buffer; allgather: what each node contributes
-    seconds: float
-    kind: int = ALLREDUCE
+__all__ = [
+    "ALLGATHER",
+    "ALLREDUCE",
+    "allreduce_terms",
+    "backward_from_offsets",
+    "combine_comm",
+    "fit_cost",
+    "fit_terms",
+    "profile_drift",
+    "relative_change",
+]
 
 
 def allreduce_terms(kind: int, nbytes: int, nodes: int) -> tuple[float, float]:
@@ -49,19 +37,6 @@ def allreduce_terms(kind: int, nbytes: int, nodes: int) -> tuple[float, float]:
     if kind == ALLGATHER and nodes > 1:
         return math.log2(nodes) / (2 * (nodes - 1)), nodes / 2 * nbytes
     return 1.0, float(nbytes)
-
-
-@dataclass
-class IterationRecord:
-    iteration: int
-    ready_offsets_s: np.ndarray  # per layer, after the first layer became ready
-    comm: list[CommSample]
-    exposed_comm_s: float  # end of the last collective minus the last layer's ready time
-    iteration_s: float
-    gain: float = 1.0  # compression gain ‖sent‖²/‖E‖² (1: dense)
-    ratio: float = 1.0  # top-k ratio used (1: dense)
-    plan: int = 0  # the plan version the iteration ran with
-    period_s: float = 0.0  # since the previous iteration finished (0: first): the step time
 
 
 def fit_cost(samples: Sequence[tuple[int, float]]) -> LinearCost | None:
@@ -137,54 +112,3 @@ def profile_drift(old: Sequence[float], new: Sequence[float]) -> float:
     if total == 0:
         return 0.0
     return float(np.sum(np.abs(np.asarray(new) - np.asarray(old)))) / total
-
-
-@dataclass(frozen=True)
-class RoundSummary:
-    ready_offsets_s: list[float]
-    comm: list[list[float]]
-    exposed_comm_s: float
-    iteration_s: float
-    gains: list[list[float]]  # [ratio, mean gain] per ratio used (compressed rounds only)
-    plan: int = 0  # the plan version of the round's last iteration
-    step_s: float = 0.0  # median step time under that plan (0: fewer than two iterations)
-
-
-@dataclass
-class NodeProfiler:
-    """Accumulates one node's iteration records between two reports."""
-
-    layers: int
-    records: list[IterationRecord] = field(default_factory=list)
-
-    def add(self, record: IterationRecord) -> None:
-        self.records.append(record)
-
-    def summary(self) -> RoundSummary:
-        """Medians and means over the records since the last summary, which it consumes."""
-        records, self.records = self.records, []
-        if not records:
-            return RoundSummary([], [], 0.0, 0.0, [])
-        plan = records[-1].plan
-        # Periods that began and ended under the round's last plan.
-        periods = [r.period_s for before, r in itertools.pairwise(records)
-                   if before.plan == r.plan == plan and r.period_s > 0]
-        offsets = np.median(np.stack([r.ready_offsets_s for r in records]), axis=0)
-        return RoundSummary(
-            ready_offsets_s=[float(x) for x in offsets],
-            comm=[[s.key[0], s.key[1], s.nbytes, s.seconds, s.kind]
-                  for r in records for s in r.comm],
-            exposed_comm_s=float(np.mean([r.exposed_comm_s for r in records])),
-            iteration_s=float(np.mean([r.iteration_s for r in records])),
-            gains=_gains_by_ratio(records),
-            plan=plan,
-            step_s=float(np.median(periods)) if periods else 0.0,
-        )
-
-
-def _gains_by_ratio(records: Sequence[IterationRecord]) -> list[list[float]]:
-    by_ratio: dict[float, list[float]] = {}
-    for record in records:
-        if record.ratio < 1.0:
-            by_ratio.setdefault(record.ratio, []).append(record.gain)
-    return [[ratio, float(np.mean(gains))] for ratio, gains in sorted(by_ratio.items())]

@@ -2,8 +2,7 @@
 
 A profile is JSON ``{"name": str, "forward_s": float, "layers": [{"name": str, "bytes": int,
 "backward_s": float}, ...]}`` with layers in forward order; other keys are ignored. Shipped
-profiles live in the package as ``commd/profiles/NAME.json`` (data only: that folder must not
-become a Python package, or it would shadow this module).
+profiles live in the package as ``commd/plan/profiles/NAME.json`` (data only, not a package).
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def _shipped_dir() -> Traversable | None:
-    """commd/profiles/ inside the installed package (may be absent)."""
+    """commd/plan/profiles/ inside the installed package (may be absent)."""
     try:
         return resources.files("commd.plan") / "profiles"
     except (ModuleNotFoundError, OSError, TypeError):
@@ -103,7 +102,7 @@ def _shipped_dir() -> Traversable | None:
 
 
 def shipped_profile_names() -> list[str]:
-    """Names of the profiles shipped in commd/profiles/*.json (none is fine)."""
+    """Names of the profiles shipped in commd/plan/profiles/*.json (none is fine)."""
     folder = _shipped_dir()
     try:
         if folder is None or not folder.is_dir():
@@ -114,7 +113,7 @@ def shipped_profile_names() -> list[str]:
 
 
 def resolve_profile(spec: str) -> Profile:
-    """``spec`` is a file, or else the name of a shipped profile (commd/profiles/NAME.json)."""
+    """``spec`` is a file, or else the name of a shipped profile (commd/plan/profiles/NAME.json)."""
     if Path(spec).exists() or "/" in spec or spec.endswith(".json"):
         return load_profile(spec)
     folder = _shipped_dir()

@@ -37,6 +37,9 @@ def optimal(sizes_bytes: Sequence[int], backward_s: Sequence[float], cost: Linea
     groups); among the i < p that tie (equal b·S[i], e.g. empty layers or b = 0) the one with
     the fewest groups is tracked as well. The choice is deterministic; it is the fewest groups
     among plans with the same prefix end, not always among all optimal plans.
+
+    One function on purpose: the deque, the split point p and the two candidates share their
+    state within one pass over the layers, and a call per layer would cost more than the rest.
     """
     check_layers(sizes_bytes, backward_s)
     num_layers = len(sizes_bytes)

@@ -1,1 +1,2 @@
-"""commd.testing"""
+"""commd.testing: local daemons (``daemons``) and subprocess helpers (``processes``) for the
+tests, benchmarks and examples. Standard library only, besides commd itself."""

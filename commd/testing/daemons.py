@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from commd.testing.processes import stop_process
 
 READY_TIMEOUT_S = 30.0
 
@@ -57,9 +58,11 @@ class LocalDaemon:
             if "READY=1" in datagram.split("\n"):
                 match = re.search(r"peers on [^\s]+:(\d+)", datagram)
                 if not match:
+                    self.stop()
                     raise RuntimeError(f"daemon {self.name} sent no port: {datagram!r}")
                 return int(match.group(1))
             if self.process.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"daemon {self.name} exited:\n{self.log()}")
 
     @property
@@ -70,21 +73,15 @@ class LocalDaemon:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code. Safe to repeat."""
+        code = stop_process(self.process, grace_s=timeout)
         self._log.close()
         self._notify.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._notify_path)
         with contextlib.suppress(OSError):
             os.rmdir(self._notify_dir)
-        return self.process.returncode
+        return code
 
 
 def commd_segments() -> set[str]:

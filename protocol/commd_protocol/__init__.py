@@ -2,10 +2,10 @@
 
 from .codec import MAX_MESSAGE_BYTES, Codec, ProtocolViolation, encode
 from .errors import CommdError, CommdTimeout, ErrorCode, error_from_reply
+from .ipc import INTERPROCESS_EVENT_FLAGS, IPC_HANDLE_BYTES
 from .messages import (
     DEVICES,
     DTYPES,
-    IPC_HANDLE_BYTES,
     OPS,
     PROTOCOL_VERSION,
     ClientMessage,
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_SOCKET",
     "DEVICES",
     "DTYPES",
+    "INTERPROCESS_EVENT_FLAGS",
     "IPC_HANDLE_BYTES",
     "MAX_MESSAGE_BYTES",
     "OPS",

@@ -24,13 +24,20 @@ class ErrorCode(StrEnum):
     SHUTDOWN = "shutdown"  # the daemon is stopping
 
 
+PREFIX = "commd: "
+
+
+def prefixed(message: str, context: str = "") -> str:
+    """``message`` as commd says it: unchanged when it starts with "commd: ", else behind the
+    prefix and ``context`` (e.g. "job 'j1': ")."""
+    return message if message.startswith(PREFIX) else f"{PREFIX}{context}{message}"
+
+
 class CommdError(Exception):
     """Root of every commd error. ``code`` says why, machine-readably."""
 
     def __init__(self, message: str, code: ErrorCode | str = ErrorCode.INVALID) -> None:
-        if not message.startswith("commd: "):
-            message = "commd: " + message
-        super().__init__(message)
+        super().__init__(prefixed(message))
         self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
 
     @property

@@ -17,7 +17,6 @@ OPS = ("sum", "avg")
 # Where a rank's flat buffer lives: "cpu" (POSIX shared memory) or "cuda" (device memory shared
 # through a CUDA IPC handle).
 DEVICES = ("cpu", "cuda")
-IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: cudaIpcMemHandle_t and cudaIpcEventHandle_t
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, kw_only=True):

@@ -6,6 +6,14 @@ import msgspec
 
 from .messages import Layer, _Msg
 
+# Report rounds: every REPORT_EVERY iterations each node sends a PeerProfile; the coordinator
+# answers with the plan for iteration last + 1 + DECISION_LAG, which every node waits for.
+REPORT_EVERY = 10
+DECISION_LAG = 2
+
+# The kind of a timed collective, the fifth element of a ``PeerProfile.comm`` row.
+ALLREDUCE, ALLGATHER = 0, 1
+
 
 class PeerJoin(_Msg, tag="peer_join"):
     """A node's daemon has every local rank of ``job`` registered and asks to join."""
@@ -49,8 +57,6 @@ class PeerLeave(_Msg, tag="peer_leave"):
     job: str
 
 
-
-
 class PeerProfile(_Msg, tag="peer_profile"):
     """A node's measurements for one report round (round 0: the start-up probe)."""
 
@@ -59,7 +65,8 @@ class PeerProfile(_Msg, tag="peer_profile"):
     iteration: int  # last iteration covered; -1 for the probe
     # per layer (forward order), seconds after the first layer was ready
     ready_offsets_s: list[float] = msgspec.field(default_factory=list)
-    # [key_iteration, key_group, bytes, seconds] per collective
+    # [key_iteration, key_group, bytes, seconds, kind] per collective (kind: ALLREDUCE or
+    # ALLGATHER; rows without it are all-reduces)
     comm: list[list[float]] = msgspec.field(default_factory=list)
     measured_comm_s: float = 0.0  # exposed communication per iteration (mean over the round)
     iteration_s: float = 0.0

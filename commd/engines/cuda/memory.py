@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from commd.engines.cuda.calls import call
-from commd_client.dtypes import numpy_dtype
+from commd.engines.dtypes import numpy_dtype
 from commd_protocol import IPC_HANDLE_BYTES
 
 log = logging.getLogger("commd.memory")

@@ -25,17 +25,17 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from commd.engines.base import Completion
 from commd.engines.buffer_ops import Buffer, BufferOps
+from commd.engines.completion import Completion
 from commd.engines.cuda import kernels as cuda_kernels
 from commd.engines.cuda import memory as memory_cuda
 from commd.engines.cuda.calls import call, checked, import_cupy, run_blocking
 from commd.engines.cuda.watch import StreamWatcher
-from commd_client.dtypes import numpy_dtype
+from commd.engines.dtypes import numpy_dtype
+from commd_protocol import INTERPROCESS_EVENT_FLAGS
 
 log = logging.getLogger("commd.engine.cuda")
 
-INTERPROCESS_EVENT = 6  # cudaEventInterprocess | cudaEventDisableTiming
 
 
 class CudaOps(BufferOps):
@@ -57,7 +57,7 @@ class CudaOps(BufferOps):
             self.stream = call("cudaStreamCreateWithFlags", cupy.cuda.Stream, False, True)
             self.stream_ptr: int = self.stream.ptr
             self._done: int = call("cudaEventCreateWithFlags", runtime.eventCreateWithFlags,
-                                   INTERPROCESS_EVENT)
+                                   INTERPROCESS_EVENT_FLAGS)
             self.done_event = call("cudaIpcGetEventHandle", runtime.ipcGetEventHandle,
                                    self._done)
         self._watcher = StreamWatcher(

@@ -1,11 +1,14 @@
 """Whether two registrations of one job agree: the first difference, in words.
 
-Used twice: by a node for its local ranks, and by the coordinator across nodes.
+Every rank of a job must register the same layers, dtype, op, planner, compression, device
+and profiling. The daemons check it twice: a node for its local ranks (``Register``), the
+coordinator across nodes (``PeerJoin``).
 """
 
 from __future__ import annotations
 
-from commd_protocol import PeerJoin, Register
+from .messages import Register
+from .peer import PeerJoin
 
 
 def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:

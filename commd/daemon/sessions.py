@@ -1,0 +1,178 @@
+"""The ipc side of the daemon: which job and rank each client connection is, and where its
+messages go.
+
+Every frame is decoded here, at the boundary; a bad one gets a typed error reply naming what
+was wrong, and nothing else changes. A client that dies without goodbye is noticed through a
+pidfd, which becomes readable when the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from commd.job.job import Job
+from commd.job.state import JobError, LocalRank, SendClient
+from commd.job.validation import check_hello
+from commd_protocol import (
+    ClientMessage,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Hello,
+    ProtocolViolation,
+    Ready,
+    Register,
+    StatusReply,
+    StatusRequest,
+    Wait,
+    Welcome,
+)
+from commd_protocol.codec import client_codec
+from commd_protocol.errors import prefixed
+from commd_protocol.status import DaemonStatus, status_map
+
+log = logging.getLogger("commd.server")
+
+
+@dataclass
+class Session:
+    job: Job
+    member: LocalRank
+
+
+class ClientSessions:
+    def __init__(self, jobs: dict[str, Job], new_job: Callable[[Hello], Job],
+                 send: SendClient, welcome: Callable[[], Welcome],
+                 status: Callable[[], DaemonStatus]) -> None:
+        self._jobs = jobs  # the daemon's job table, shared with the peer side
+        self._new_job = new_job
+        self._send = send
+        self._welcome = welcome
+        self._status = status
+        self._sessions: dict[bytes, Session] = {}
+        self._pidfds: dict[bytes, int] = {}
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        """One multipart message from the client ROUTER: [identity, frame]."""
+        if len(frames) != 2:
+            if frames:
+                self._send(frames[0], error(ErrorCode.MALFORMED,
+                                            "expected exactly one frame per message"))
+            return
+        identity, frame = frames
+        try:
+            message = client_codec.decode(frame)
+        except ProtocolViolation as exc:
+            self._send(identity, error(exc.code, str(exc), exc.ref))
+            return
+        try:
+            self._dispatch(identity, message)
+        except JobError as exc:
+            self._send(identity, Error(code=exc.code, message=str(exc), ref=tag(message)))
+        except Exception:
+            log.exception("internal error handling %s", tag(message))
+            self._send(identity, error(ErrorCode.INVALID, "internal error; see the daemon's log",
+                                       tag(message)))
+
+    def _dispatch(self, identity: bytes, message: ClientMessage) -> None:
+        if isinstance(message, StatusRequest):
+            self._send(identity, StatusReply(status=status_map(self._status())))
+            return
+        if isinstance(message, Hello):
+            self._hello(identity, message)
+            return
+        session = self._sessions.get(identity)
+        if session is None:
+            raise JobError(f"{tag(message)} before hello", ErrorCode.OUT_OF_ORDER)
+        job, member = session.job, session.member
+        if isinstance(message, Register):
+            job.register(member, message)
+        elif isinstance(message, Ready):
+            if member.registration is None:
+                raise JobError("ready before register", ErrorCode.OUT_OF_ORDER)
+            job.ready(member, message.layers, message.sent_at, message.stamps)
+        elif isinstance(message, Wait):
+            if member.registration is None:
+                raise JobError("wait before register", ErrorCode.OUT_OF_ORDER)
+            if job.failure is not None:
+                self._send(identity, job.failure)
+                return
+            job.wait(member, message.iteration)
+        elif isinstance(message, Goodbye):
+            self.depart(identity, lost=False)
+
+    def _hello(self, identity: bytes, hello: Hello) -> None:
+        if identity in self._sessions:
+            raise JobError("hello sent twice on one connection", ErrorCode.OUT_OF_ORDER)
+        check_hello(hello)
+        job = self._jobs.get(hello.job)
+        if job is None:
+            job = self._jobs[hello.job] = self._new_job(hello)
+        try:
+            member = job.add_rank(identity, hello)
+        except JobError:
+            if not job.members.ranks:
+                del self._jobs[hello.job]
+            raise
+        self._sessions[identity] = Session(job, member)
+        self._watch_pid(identity, hello.pid)
+        self._send(identity, self._welcome())
+
+    def depart(self, identity: bytes, *, lost: bool) -> None:
+        """A client said goodbye (lost=False) or its process exited (lost=True)."""
+        session = self._sessions.pop(identity, None)
+        fd = self._pidfds.pop(identity, None)
+        if fd is not None:
+            _unwatch_fd(fd)
+        if session is None:
+            return
+        job = session.job
+        job.leave(session.member, lost=lost)
+        if job.finished:
+            job.close()
+            if self._jobs.get(job.id) is job:
+                del self._jobs[job.id]
+
+    def _watch_pid(self, identity: bytes, pid: int) -> None:
+        """Notice a client that dies without goodbye: a pidfd becomes readable at its exit."""
+        if pid <= 0:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as exc:  # another pid namespace; the job then relies on timeouts
+            log.info("cannot watch client pid %d (%s)", pid, exc.strerror)
+            return
+        self._pidfds[identity] = fd
+        asyncio.get_running_loop().add_reader(fd, self._exited, identity)
+
+    def _exited(self, identity: bytes) -> None:
+        self.depart(identity, lost=True)
+
+    def close(self) -> None:
+        """Stop watching every client process."""
+        for fd in list(self._pidfds.values()):
+            _unwatch_fd(fd)
+        self._pidfds.clear()
+
+
+def _unwatch_fd(fd: int) -> None:
+    with contextlib.suppress(Exception):
+        asyncio.get_running_loop().remove_reader(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def tag(message: msgspec.Struct) -> str:
+    """The ``type`` of a message, as the client wrote it."""
+    return str(type(message).__struct_config__.tag)
+
+
+def error(code: ErrorCode, message: str, ref: str = "") -> Error:
+    return Error(code=code, message=prefixed(message), ref=ref)

@@ -1,0 +1,72 @@
+"""The daemon's two listening sockets, bound once at start, and the address it advertises."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket as pysocket
+
+import zmq
+import zmq.asyncio
+
+CLIENT_FRAME_CAP = 64 * 1024 * 1024  # a hard cap on a client frame; over 4 MiB is refused typed
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+def bind_clients(context: zmq.asyncio.Context, path: str) -> zmq.asyncio.Socket:
+    """The ROUTER the node's training processes talk to, on an ipc socket at ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        if _socket_answers(path):
+            raise StartupError(f"commd: another daemon is serving {path}; stop it or pass --socket")
+        os.unlink(path)  # left over from a daemon that died
+    clients = context.socket(zmq.ROUTER)
+    clients.setsockopt(zmq.LINGER, 0)
+    clients.setsockopt(zmq.MAXMSGSIZE, CLIENT_FRAME_CAP)
+    clients.bind(f"ipc://{path}")
+    os.chmod(path, 0o660)
+    return clients
+
+
+def bind_peers(context: zmq.asyncio.Context, host: str, port: int
+               ) -> tuple[zmq.asyncio.Socket, int]:
+    """The ROUTER peer daemons talk to, and its port (a random one for port 0)."""
+    peers = context.socket(zmq.ROUTER)
+    peers.setsockopt(zmq.LINGER, 0)
+    try:
+        if port == 0:
+            port = peers.bind_to_random_port(f"tcp://{host}")
+        else:
+            peers.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as exc:
+        peers.close()
+        raise StartupError(
+            f"commd: cannot listen for peers on {host}:{port}: {exc}; pass --listen"
+        ) from None
+    return peers, port
+
+
+def _socket_answers(path: str) -> bool:
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    finally:
+        probe.close()
+    return True
+
+
+def route_source(host: str) -> str:
+    """The local address the kernel would use to reach ``host`` (no packet is sent)."""
+    probe = pysocket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()

@@ -1,0 +1,129 @@
+"""This node's measurements of a job: one record per iteration, summarised per report round.
+
+The pipeline times each collective (``CommSample``) and, from the clients' per-layer stamps,
+when each layer became ready; a record per iteration goes to the job's ``NodeProfiler``, which
+sums up a round for the coordinator (``PeerProfile``). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from commd_protocol.peer import ALLREDUCE
+
+# The start-up probe: float32 element counts (1 KiB … 4 MiB), each run PROBE_REPEATS times;
+# the first round is a warm-up that also absorbs the nodes' arrival skew.
+PROBE_ELEMENTS = (256, 4096, 65536, 262144, 1048576)
+PROBE_REPEATS = 4
+
+
+@dataclass(frozen=True)
+class CommSample:
+    """One collective: the wire time from when it could start to when it finished."""
+
+    key: tuple[int, int]  # (iteration, group) — the same collective on every node
+    nbytes: int  # all-reduce: the buffer; allgather: what each node contributes
+    seconds: float
+    kind: int = ALLREDUCE
+
+
+class WireClock:
+    """Wire times of collectives that queue one behind another on the job's engine."""
+
+    def __init__(self) -> None:
+        self._last_end = 0.0  # perf_counter when the previous collective finished
+
+    def ended(self) -> None:
+        """A collective timed elsewhere (a compressed exchange) has just finished."""
+        self._last_end = time.perf_counter()
+
+    def timed(self, wire: asyncio.Future[Any], key: tuple[int, int], nbytes: int,
+              samples: list[CommSample]) -> asyncio.Future[Any]:
+        """Append ``wire``'s sample to ``samples`` when it completes; returns ``wire``."""
+        # A collective waits behind the previous one on the engine's queue: its wire time
+        # starts when it was launched or when the previous one finished, whichever is later.
+        launched = time.perf_counter()
+
+        def record(done: asyncio.Future[Any]) -> None:
+            ended = time.perf_counter()
+            begin = max(launched, self._last_end)
+            self._last_end = ended
+            # A device engine measures the collective itself (timing events on its stream):
+            # the wall clock would also count the wait for the producers' events.
+            measured = None if done.cancelled() or done.exception() else done.result()
+            took = measured if isinstance(measured, float) else ended - begin
+            samples.append(CommSample(key, nbytes, took))
+
+        wire.add_done_callback(record)
+        return wire
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    ready_offsets_s: np.ndarray  # per layer, after the first layer became ready
+    comm: list[CommSample]
+    exposed_comm_s: float  # end of the last collective minus the last layer's ready time
+    iteration_s: float
+    gain: float = 1.0  # compression gain ‖sent‖²/‖E‖² (1: dense)
+    ratio: float = 1.0  # top-k ratio used (1: dense)
+    plan: int = 0  # the plan version the iteration ran with
+    period_s: float = 0.0  # since the previous iteration finished (0: first): the step time
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    ready_offsets_s: list[float]
+    comm: list[list[float]]
+    exposed_comm_s: float
+    iteration_s: float
+    gains: list[list[float]]  # [ratio, mean gain] per ratio used (compressed rounds only)
+    plan: int = 0  # the plan version of the round's last iteration
+    step_s: float = 0.0  # median step time under that plan (0: fewer than two iterations)
+
+
+@dataclass
+class NodeProfiler:
+    """Accumulates one node's iteration records between two reports."""
+
+    layers: int
+    records: list[IterationRecord] = field(default_factory=list)
+
+    def add(self, record: IterationRecord) -> None:
+        self.records.append(record)
+
+    def summary(self) -> RoundSummary:
+        """Medians and means over the records since the last summary, which it consumes."""
+        records, self.records = self.records, []
+        if not records:
+            return RoundSummary([], [], 0.0, 0.0, [])
+        plan = records[-1].plan
+        # Periods that began and ended under the round's last plan.
+        periods = [r.period_s for before, r in itertools.pairwise(records)
+                   if before.plan == r.plan == plan and r.period_s > 0]
+        offsets = np.median(np.stack([r.ready_offsets_s for r in records]), axis=0)
+        return RoundSummary(
+            ready_offsets_s=[float(x) for x in offsets],
+            comm=[[s.key[0], s.key[1], s.nbytes, s.seconds, s.kind]
+                  for r in records for s in r.comm],
+            exposed_comm_s=float(np.mean([r.exposed_comm_s for r in records])),
+            iteration_s=float(np.mean([r.iteration_s for r in records])),
+            gains=_gains_by_ratio(records),
+            plan=plan,
+            step_s=float(np.median(periods)) if periods else 0.0,
+        )
+
+
+def _gains_by_ratio(records: Sequence[IterationRecord]) -> list[list[float]]:
+    by_ratio: dict[float, list[float]] = {}
+    for record in records:
+        if record.ratio < 1.0:
+            by_ratio.setdefault(record.ratio, []).append(record.gain)
+    return [[ratio, float(np.mean(gains))] for ratio, gains in sorted(by_ratio.items())]

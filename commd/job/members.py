@@ -1,0 +1,80 @@
+"""The local ranks of one job on this node: who said hello, what each registered, who left."""
+
+from __future__ import annotations
+
+from commd.job.state import JobError, LocalRank
+from commd_protocol import ErrorCode, Hello, Register
+from commd_protocol.agreement import describe_difference
+
+# Every rank of a job on a node must say the same of these as the first one did.
+_SHARED_FIELDS = ("world_size", "local_world_size", "coordinator")
+
+
+class Members:
+    def __init__(self, first: Hello) -> None:
+        self.job = first.job
+        self._first = first
+        self.ranks: dict[int, LocalRank] = {}  # by local rank
+
+    def add(self, identity: bytes, hello: Hello) -> LocalRank:
+        """A new local rank; JobError (MISMATCH) when it contradicts the ones before."""
+        for name in _SHARED_FIELDS:
+            if getattr(hello, name) != getattr(self._first, name):
+                raise JobError(
+                    f"rank {hello.rank} says {name}={getattr(hello, name)!r} but job "
+                    f"{self.job!r} has {name}={getattr(self._first, name)!r}",
+                    ErrorCode.MISMATCH,
+                )
+        if hello.local_rank in self.ranks:
+            raise JobError(
+                f"local rank {hello.local_rank} of job {self.job!r} is already connected "
+                f"(rank {self.ranks[hello.local_rank].rank})",
+                ErrorCode.MISMATCH,
+            )
+        member = LocalRank(identity, hello.rank, hello.local_rank, hello.pid)
+        self.ranks[hello.local_rank] = member
+        return member
+
+    def in_order(self) -> list[LocalRank]:
+        """By local rank: the order of the buffers in the data plane."""
+        return [self.ranks[index] for index in sorted(self.ranks)]
+
+    def first_registration(self) -> Register:
+        """The registration of the lowest local rank (every rank agrees with it)."""
+        registration = self.in_order()[0].registration
+        assert registration is not None
+        return registration
+
+    def any_registration(self) -> Register | None:
+        return next((r.registration for r in self.ranks.values() if r.registration), None)
+
+    @property
+    def complete(self) -> bool:
+        """Every local rank has said hello and registered."""
+        return len(self.ranks) == self._first.local_world_size and all(
+            r.registration is not None for r in self.ranks.values())
+
+    def disagreement(self, member: LocalRank) -> str:
+        """'' when ``member``'s registration agrees with the lowest registered rank's, else
+        the difference, naming both ranks."""
+        first = next(r for r in sorted(self.ranks.values(), key=lambda r: r.rank)
+                     if r.registration)
+        if first is member:
+            return ""
+        assert first.registration is not None and member.registration is not None
+        problem = describe_difference(first.registration, member.registration)
+        if not problem:
+            return ""
+        return f"ranks {first.rank} and {member.rank} registered different layers: {problem}"
+
+    def gone(self) -> list[int]:
+        """The ranks that closed or vanished."""
+        return [r.rank for r in self.ranks.values() if r.left]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.left for r in self.ranks.values())
+
+    def waiting(self) -> bool:
+        """A rank still here waits for an iteration."""
+        return any(r.waiting is not None for r in self.ranks.values() if not r.left)

@@ -1,0 +1,100 @@
+"""Which local ranks have marked which layers ready in the current iteration, and when.
+
+Readiness is kept per layer, not per group, so a new plan can take over at any iteration
+boundary. A layer is ready on the node when the last local rank has marked it; its time is
+that rank's stamp (CLOCK_MONOTONIC, taken by the client when the gradient was final).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class ReadyError(ValueError):
+    """A bad ready notification; nothing was marked and the job carries on."""
+
+
+class Readiness:
+    def __init__(self, ranks: int, layers: int) -> None:
+        self.ranks = ranks
+        self._marked = np.zeros((ranks, layers), dtype=bool)
+        self._count = np.zeros(layers, dtype=np.int64)
+        # CLOCK_MONOTONIC time each layer became ready on this node (the latest local rank's)
+        self._ready_at = np.zeros(layers, dtype=np.float64)
+        # CLOCK_MONOTONIC send time of the notification that completed each layer (0: unknown)
+        self._sent_at = np.zeros(layers, dtype=np.float64)
+        self._changed = asyncio.Event()
+        self.notifications = 0  # ready messages received (clients batch them per group)
+
+    def mark(self, local_index: int, layers: Sequence[int], iteration: int,
+             sent_at: float = 0.0, stamps: Sequence[float] | None = None) -> None:
+        """Record ready layers of one local rank; raise ReadyError and change nothing if bad.
+        ``sent_at``: the client's CLOCK_MONOTONIC time of sending (0: not given); ``stamps``:
+        when each layer became ready, on the same clock (empty: now)."""
+        if stamps and len(stamps) != len(layers):
+            raise ReadyError(f"{len(stamps)} stamps for {len(layers)} layers")
+        self.notifications += 1
+        row = self._marked[local_index]
+        if len(layers) == 1:  # one ready per layer, no numpy fancy indexing
+            stamp = stamps[0] if stamps else time.monotonic()
+            self._mark_one(row, layers[0], iteration, sent_at, stamp)
+            return
+        for layer in layers:
+            if not 0 <= layer < row.size:
+                raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
+        chosen = list(layers)
+        if len(set(chosen)) != len(chosen) or row[chosen].any():
+            twice = sorted({x for x in chosen if row[x] or chosen.count(x) > 1})
+            raise ReadyError(_twice(iteration, twice))
+        row[chosen] = True
+        self._count[chosen] += 1
+        np.maximum.at(self._ready_at, chosen, stamps if stamps else time.monotonic())
+        complete = [x for x in chosen if self._count[x] == self.ranks]
+        if complete:
+            self._sent_at[complete] = sent_at
+            self._changed.set()
+
+    def _mark_one(self, row: np.ndarray, layer: int, iteration: int, sent_at: float,
+                  stamp: float) -> None:
+        if not 0 <= layer < row.size:
+            raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
+        if row[layer]:
+            raise ReadyError(_twice(iteration, [layer]))
+        row[layer] = True
+        self._count[layer] += 1
+        self._ready_at[layer] = max(self._ready_at[layer], stamp)
+        if self._count[layer] == self.ranks:
+            self._sent_at[layer] = sent_at
+            self._changed.set()
+
+    @property
+    def in_flight(self) -> bool:
+        """Some layer of the current iteration is marked."""
+        return bool(self._count.any())
+
+    async def wait_for(self, group: Sequence[int]) -> None:
+        """Until every local rank has marked every layer of ``group`` (adjacent layers)."""
+        while self._count[group[0] : group[-1] + 1].min() < self.ranks:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def last_sent(self, group: Sequence[int]) -> float:
+        """When the notification that completed ``group`` was sent (0: unknown)."""
+        return float(self._sent_at[group[0] : group[-1] + 1].max())
+
+    def next_iteration(self) -> np.ndarray:
+        """The ready times of the iteration that ended; every mark is cleared."""
+        ready_at = self._ready_at.copy()
+        self._marked[:] = False
+        self._count[:] = 0
+        self._ready_at[:] = 0.0
+        return ready_at
+
+
+def _twice(iteration: int, layers: list[int]) -> str:
+    return (f"ready twice in iteration {iteration} for layer(s) {layers}; "
+            "wait for the iteration to finish before marking again")

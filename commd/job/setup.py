@@ -1,0 +1,153 @@
+"""Setting up a formed job on this node, step by step, with one error path.
+
+Once the coordinator has sent ``peer_setup``: the engine joins the job's group (several nodes
+only), the device gets ready for the dtype, the pipeline is made and the network probed; then
+the probe's samples go to the coordinator, whose first plan starts the job. Each step's
+failure is a ``SetupError`` naming the step and the cause; the job fails once with it. A job
+that stops starting meanwhile (failed or closed) is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+from commd.compression.topk import parse_compression
+from commd.engines import Engine, EngineConfig, EngineError, create_engine
+from commd.engines.buffer_ops import BufferOps
+from commd.job.measurements import PROBE_ELEMENTS, PROBE_REPEATS
+from commd.job.members import Members
+from commd.job.pipeline import Pipeline
+from commd.job.reporting import Reporter
+from commd.job.state import JobContext
+from commd_protocol import ErrorCode, PeerSetup
+
+
+class SetupError(Exception):
+    """A set-up step failed; the message names the step and the cause."""
+
+
+class Starting(Protocol):
+    """What the set-up needs of the job it sets up (``Job``; a protocol, not an import)."""
+
+    id: str
+    ctx: JobContext
+    world_size: int
+    coordinator: str
+    setup: PeerSetup | None
+    members: Members
+    ops: BufferOps | None
+    engine: Engine | None
+    pipeline: Pipeline | None
+    reporter: Reporter | None
+
+    @property
+    def starting(self) -> bool: ...
+
+    @property
+    def coordinator_host(self) -> str: ...
+
+    def iteration_done(self, iteration: int, plan_version: int) -> None: ...
+
+    def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None: ...
+
+
+@contextlib.contextmanager
+def _step(what: str, *failures: type[Exception]) -> Iterator[None]:
+    try:
+        yield
+    except failures as exc:
+        raise SetupError(f"{what} failed: {exc}") from None
+
+
+async def set_up(job: Starting, setup: PeerSetup) -> list[list[float]] | None:
+    """Run every step; the network probe's samples, or None when the job stopped starting.
+    Raises SetupError."""
+    assert job.ops is not None
+    engine = await _start_engine(job, job.ops, setup) if setup.nodes > 1 else None
+    if not job.starting:  # failed or closed while the engine was forming
+        if engine is not None:
+            engine.close()
+        return None
+    job.engine = engine
+    with _step("device set-up", EngineError):
+        await job.ops.prepare(job.members.first_registration().dtype)
+    if not job.starting:
+        return None
+    job.pipeline, job.reporter = make_pipeline(job)
+    if not job.members.first_registration().profile:
+        return []
+    with _step("network probe", EngineError):
+        return await probe_network(engine, job.ops)
+
+
+def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
+    """The job's data plane, and the reporter its records go to."""
+    reg = job.members.first_registration()
+    reporter: Reporter | None = None
+    pipeline = Pipeline(
+        sizes=[layer.size for layer in reg.layers],
+        buffers=[m.buffer for m in job.members.in_order() if m.buffer is not None],
+        dtype=reg.dtype,
+        op=reg.op,
+        world_size=job.world_size,
+        engine=job.engine,
+        executor=job.ctx.executor,
+        on_complete=job.iteration_done,
+        on_record=lambda record: reporter.add(record) if reporter else None,
+        on_failure=lambda exc: job.fail(ErrorCode.ENGINE, f"collective failed: {exc}"),
+        node_index=job.setup.node_index if job.setup else 0,
+        nodes=job.setup.nodes if job.setup else 1,
+        compressed=parse_compression(reg.compression) is not None,
+        ops=job.ops,
+    )
+    reporter = Reporter(
+        job.id, len(reg.layers), profile=reg.profile,
+        send=lambda profile: job.ctx.send_peer(job.coordinator, profile),
+        expect_decision=pipeline.expect_decision,
+    )
+    return pipeline, reporter
+
+
+async def _start_engine(job: Starting, ops: BufferOps, setup: PeerSetup) -> Engine:
+    with _step("engine set-up", ValueError, EngineError):
+        engine = create_engine(job.ctx.engine_for(ops.kind))
+        engine.bind(ops)
+    host = job.coordinator_host
+    config = EngineConfig(
+        key=f"{job.id}/{setup.generation}",
+        rank=setup.node_index,
+        size=setup.nodes,
+        store_host=host,
+        store_port=setup.store_port,
+        host=job.ctx.advertise(host),
+        timeout_s=job.ctx.timeout_s,
+    )
+    try:
+        with _step("engine set-up", EngineError):
+            await engine.start(config)
+    except SetupError:
+        engine.close()
+        raise
+    return engine
+
+
+async def probe_network(engine: Engine | None, ops: BufferOps) -> list[list[float]]:
+    """All-reduce scratch buffers over a range of sizes: samples for the first fit of a, b.
+
+    Costs PROBE_REPEATS × 5.3 MB on the wire: ~40 ms on loopback, ~0.1 s on 1 Gbit/s.
+    Runs before the first iteration, in the same order on every node.
+    """
+    if engine is None:
+        return []
+    samples: list[list[float]] = []
+    for repeat in range(PROBE_REPEATS):
+        for index, elements in enumerate(PROBE_ELEMENTS):
+            scratch = ops.zeros(elements, "float32")
+            begin = time.perf_counter()
+            await engine.allreduce(scratch, "float32")
+            if repeat > 0:  # the first round is the warm-up
+                samples.append([-repeat, index, scratch.nbytes, time.perf_counter() - begin])
+    return samples

@@ -1,0 +1,57 @@
+"""The pieces a job on one node is made of: its local ranks, what every job of the daemon
+shares, and the error a job raises when it refuses a request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from commd.job.segments import SharedSegment
+from commd_protocol import ErrorCode, Register
+from commd_protocol.errors import prefixed
+from commd_protocol.status import JobState
+
+__all__ = ["JobContext", "JobError", "JobState", "LocalRank", "SendClient", "SendPeer"]
+
+SendClient = Callable[[bytes, msgspec.Struct], None]
+SendPeer = Callable[[str, msgspec.Struct], None]
+
+
+class JobError(Exception):
+    """A request the job refuses; ``code`` goes into the error reply."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID) -> None:
+        super().__init__(prefixed(message))
+        self.code = code
+
+
+@dataclass
+class LocalRank:
+    identity: bytes
+    rank: int
+    local_rank: int
+    pid: int
+    segment: SharedSegment | None = None
+    buffer: Any = None  # numpy array (shared memory) or cupy array (device memory)
+    registration: Register | None = None
+    waiting: int | None = None  # the iteration this rank waits for
+    told_plan: int = 0  # the plan whose groups this rank was last sent (it batches by them)
+    left: bool = False
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What every job of this daemon shares."""
+
+    engine_for: Callable[[str], str]  # buffer kind -> engine name; ValueError says why none
+    timeout_s: float
+    advertise: Callable[[str], str]  # coordinator host -> our engine address
+    executor: Executor
+    send_client: SendClient
+    send_peer: SendPeer
+    validate_planner: Callable[[str], object]  # ValueError names the valid planners
+    default_planner: str

@@ -1,0 +1,118 @@
+"""What ``commd status`` shows: the daemon's typed snapshot of itself and of its jobs.
+
+The daemon builds these and sends them in ``StatusReply.status`` as a plain map (the same
+keys), so any MessagePack client can read it; ``commd status`` turns the map back into these
+types to render it. New fields get defaults, so an older daemon's reply still converts.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+
+class JobState(StrEnum):
+    """The life of one job on one node."""
+
+    FORMING = "forming"  # local ranks are saying hello and registering
+    JOINING = "joining"  # every local rank registered; waiting for the coordinator's set-up
+    STARTING = "starting"  # engine, device and network probe being set up; waiting for a plan
+    RUNNING = "running"  # iterations run
+    FAILED = "failed"  # the failure is latched and told to every rank
+    CLOSED = "closed"  # every rank said goodbye
+
+    @property
+    def active(self) -> bool:
+        """Between joining and running: the coordinator knows this node's part of the job."""
+        return self in (JobState.JOINING, JobState.STARTING, JobState.RUNNING)
+
+
+class _Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """Base: keyword-only, and unknown keys (a newer daemon's) are ignored."""
+
+
+class IterationTiming(_Status):
+    last: float
+    mean: float
+
+
+class LatencySummary(_Status):
+    """Percentiles of a latency window, in microseconds."""
+
+    p50_us: float
+    p99_us: float
+    max_us: float
+    samples: float
+
+
+class PlanChange(_Status):
+    iteration: int  # the first iteration that ran with the plan
+    version: int
+    groups: int
+
+
+class JobStatus(_Status):
+    job: str
+    state: JobState
+    world_size: int
+    local_ranks: list[int] = []
+    nodes: int | None = None
+    node_index: int | None = None
+    iteration: int = 0
+    planner: str | None = None
+    plan_version: int | None = None
+    groups: list[list[int]] = []
+    plan_history: list[PlanChange] = []
+    ready_messages: int = 0
+    plan_reason: str | None = None
+    alpha_s: float | None = None
+    beta_s_per_byte: float | None = None
+    predicted_comm_s: float | None = None
+    plan_overhead_s: float | None = None
+    plan_search: str | None = None
+    measured_comm_s: float = 0.0
+    compression: str | None = None
+    ratio: float | None = None
+    exchanges: list[str] = []
+    gain: float = 1.0
+    layers: int = 0
+    dtype: str | None = None
+    op: str | None = None
+    iteration_s: IterationTiming | None = None
+    error: str | None = None
+    device: str | None = None
+    ready_to_launch: LatencySummary | None = None
+
+
+class CoordinatedJob(_Status):
+    """A job this daemon coordinates (it is on rank 0's node)."""
+
+    job: str
+    formed: bool
+    nodes: int
+    world_size: int
+
+
+class DaemonStatus(_Status):
+    version: str
+    protocol: int
+    backend: str
+    uptime_s: float
+    pid: int | None = None
+    socket: str | None = None
+    listen: str | None = None
+    jobs: list[JobStatus] = []
+    coordinating: list[CoordinatedJob] = []
+
+
+def status_map(status: DaemonStatus) -> dict[str, Any]:
+    """The map that travels in ``StatusReply.status``."""
+    result: dict[str, Any] = msgspec.to_builtins(status)
+    return result
+
+
+def read_status(data: object) -> DaemonStatus:
+    """A received status map as types; msgspec.ValidationError names a bad field."""
+    return msgspec.convert(data, DaemonStatus)
