@@ -10,6 +10,8 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,21 @@ def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
     return values
 
 
+def await_others(spec: dict[str, Any], iteration: int) -> None:
+    """With ``progress_dir``: until every other rank has finished ``iteration``, so that a rank
+    that then dies fails the others' next iteration, whatever the machine's load (a node's
+    iteration may otherwise still be finishing when the failure reaches it)."""
+    folder = spec.get("progress_dir")
+    if not folder or iteration < 0:
+        return
+    others = [r for r in range(spec["world_size"]) if r != spec["rank"]]
+    deadline = time.monotonic() + spec["timeout"]
+    while not all(Path(folder, f"{r}.{iteration}").exists() for r in others):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {spec['rank']}: the others never finished {iteration}")
+        time.sleep(0.01)  # polling a condition, with a deadline
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": []}
@@ -53,6 +70,7 @@ def main() -> None:
                               "nodes": client.nodes}), flush=True)
             for iteration in range(spec["iterations"]):
                 if iteration == spec.get("die_at"):
+                    await_others(spec, iteration - 1)
                     os._exit(17)  # vanish without goodbye, like a crashed trainer
                 for index, (_, size) in enumerate(layers):
                     grads[index][:] = from_float(
@@ -68,6 +86,8 @@ def main() -> None:
                     out["iterations"].append(  # type: ignore[union-attr]
                         [to_float(g, spec["dtype"]) for g in grads]
                     )
+                if spec.get("progress_dir"):  # tell a rank that waits in await_others
+                    Path(spec["progress_dir"], f"{spec['rank']}.{iteration}").touch()
     except CommdError as exc:
         out["error"] = str(exc)
         out["error_type"] = type(exc).__name__

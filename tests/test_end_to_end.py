@@ -46,10 +46,12 @@ def test_half_precision_dtypes(start_daemon, dtype: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_lost_rank_fails_every_other_rank_and_other_jobs_go_on(start_daemon) -> None:
+def test_lost_rank_fails_every_other_rank_and_other_jobs_go_on(start_daemon, tmp_path) -> None:
     nodes = [start_daemon(), start_daemon()]
+    # Rank 3 dies at iteration 2 once the others have finished iteration 1.
+    progress = {rank: {"progress_dir": str(tmp_path)} for rank in range(4)}
     doomed = JobSpec("doomed", nodes, 2, LAYERS, iterations=5, timeout=60,
-                     overrides={3: {"die_at": 2}})
+                     overrides={**progress, 3: {**progress[3], "die_at": 2}})
     healthy = JobSpec("healthy", nodes, 1, LAYERS, iterations=3)
     doomed_ranks = start_ranks(doomed)
     results = collect(doomed_ranks)
