@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+import asyncio
+import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq.asyncio
+
+from commd.daemon.server import Daemon
+from commd.daemon.settings import Settings
+from commd_client.shm import GradientSegment
 
 from daemons import DaemonProcess, commd_segments
+from inprocess import RawClient
 
 
 def mapped_segments() -> set[str]:
@@ -48,3 +57,47 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     yield start
     for daemon in started:
         daemon.stop()
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    settings = Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0", backend="gloo",
+                        timeout_s=20)
+    instance = Daemon(settings)
+    task = asyncio.create_task(instance.run())
+    while instance.peer_port == 0 or not os.path.exists(settings.socket):
+        await asyncio.sleep(0.01)  # polling a condition, bounded by the test timeout
+    yield instance
+    instance.stop()
+    await asyncio.wait_for(task, 20)
+    assert not os.path.exists(settings.socket)
+
+
+@pytest.fixture
+async def connect(daemon: Daemon) -> AsyncIterator[Any]:
+    context = zmq.asyncio.Context()
+    clients: list[RawClient] = []
+
+    def make() -> RawClient:
+        client = RawClient(context, daemon.settings.socket)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.socket.close(linger=0)
+    context.term()
+
+
+@pytest.fixture
+def segments() -> Any:
+    made: list[GradientSegment] = []
+
+    def make(nbytes: int) -> GradientSegment:
+        segment = GradientSegment(f"commd-test-{len(made)}-{os.getpid()}", nbytes)
+        made.append(segment)
+        return segment
+
+    yield make
+    for segment in made:
+        segment.close()

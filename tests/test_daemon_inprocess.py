@@ -3,103 +3,18 @@ client in another language would. Bad input gets a typed error; the daemon keeps
 
 from __future__ import annotations
 
-import asyncio
-import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 from commd.daemon.server import Daemon
-from commd.daemon.settings import Settings
-from commd_client.shm import GradientSegment
 from commd_protocol import PROTOCOL_VERSION
 
+from inprocess import coordinator_of, hello, still_serving
+
 pytestmark = pytest.mark.timeout(60)
-
-
-class RawClient:
-    def __init__(self, context: zmq.asyncio.Context, path: str) -> None:
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(f"ipc://{path}")
-
-    async def send(self, message: dict[str, Any] | bytes) -> None:
-        await self.socket.send(message if isinstance(message, bytes) else msgpack.packb(message))
-
-    async def receive(self) -> dict[str, Any]:
-        frame = await asyncio.wait_for(self.socket.recv(), 10)
-        reply: dict[str, Any] = msgpack.unpackb(frame)
-        return reply
-
-    async def ask(self, message: dict[str, Any] | bytes) -> dict[str, Any]:
-        await self.send(message)
-        return await self.receive()
-
-
-def hello(job: str = "j", rank: int = 0, world: int = 1, local: int = 0, local_world: int = 1,
-          **extra: Any) -> dict[str, Any]:
-    return {"type": "hello", "protocol": PROTOCOL_VERSION, "job": job, "rank": rank,
-            "world_size": world, "local_rank": local, "local_world_size": local_world,
-            "coordinator": extra.pop("coordinator", "127.0.0.1:1"), **extra}
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
-    settings = Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0", backend="gloo",
-                        timeout_s=20)
-    instance = Daemon(settings)
-    task = asyncio.create_task(instance.run())
-    while instance.peer_port == 0 or not os.path.exists(settings.socket):
-        await asyncio.sleep(0.01)  # polling a condition, bounded by the test timeout
-    yield instance
-    instance.stop()
-    await asyncio.wait_for(task, 20)
-    assert not os.path.exists(settings.socket)
-
-
-@pytest.fixture
-async def connect(daemon: Daemon) -> AsyncIterator[Any]:
-    context = zmq.asyncio.Context()
-    clients: list[RawClient] = []
-
-    def make() -> RawClient:
-        client = RawClient(context, daemon.settings.socket)
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.socket.close(linger=0)
-    context.term()
-
-
-@pytest.fixture
-def segments() -> Any:
-    made: list[GradientSegment] = []
-
-    def make(nbytes: int) -> GradientSegment:
-        segment = GradientSegment(f"commd-test-{len(made)}-{os.getpid()}", nbytes)
-        made.append(segment)
-        return segment
-
-    yield make
-    for segment in made:
-        segment.close()
-
-
-def coordinator_of(daemon: Daemon) -> str:
-    return f"127.0.0.1:{daemon.peer_port}"
-
-
-async def still_serving(client: RawClient) -> None:
-    reply = await client.ask({"type": "status"})
-    assert reply["type"] == "status_reply" and reply["status"]["backend"] == "gloo"
 
 
 @pytest.mark.parametrize(

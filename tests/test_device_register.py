@@ -2,7 +2,7 @@
 typed errors naming the field, a well-formed device registration fails with the library's
 reason and the daemon keeps serving; the new optional protocol fields round-trip."""
 
-# ruff: noqa: F811 - the in-process daemon fixtures come from test_daemon_inprocess
+
 
 from __future__ import annotations
 
@@ -12,18 +12,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from test_daemon_inprocess import (  # noqa: F401 - pytest fixtures
-    connect,
-    coordinator_of,
-    daemon,
-    hello,
-    segments,
-    still_serving,
-)
 
 from commd.daemon.server import Daemon
 from commd_protocol import Ready, Register, Registered, encode
 from commd_protocol.codec import client_codec, daemon_codec
+
+from inprocess import coordinator_of, hello, still_serving
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,9 +3,9 @@
 It imports neither torch, uvloop nor cupy; ``commd_client.torch`` holds the PyTorch wrapper.
 """
 
-from commd_protocol import CommdError, CommdTimeout
+from commd_protocol import CommdError, CommdTimeout, CommdTypeError, CommdValueError
 
 from .client import Client
 
-__all__ = ["Client", "CommdError", "CommdTimeout"]
+__all__ = ["Client", "CommdError", "CommdTimeout", "CommdTypeError", "CommdValueError"]
 __version__ = "0.1.0"

@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 
 from commd_protocol import (
-    DTYPES,
-    OPS,
     PROTOCOL_VERSION,
     CommdError,
+    CommdValueError,
     Done,
     Error,
     ErrorCode,
@@ -31,6 +30,7 @@ from commd_protocol import (
 from commd_protocol.layout import backward_offsets
 
 from . import env
+from .arguments import check_fits, check_indices, check_layers
 from .batching import ReadyBatcher
 from .connection import Connection
 from .cuda import DeviceBuffer, parse_device
@@ -159,10 +159,12 @@ class Client:
         """
         if self._segment is not None or self._device is not None:
             raise CommdError("commd: register() was already called on this client")
-        _check_layout(layers, dtype, op)
+        layers = check_layers(layers, dtype, op)
         index = None if device == "cpu" else parse_device(device)
-        self._sizes = [int(size) for _, size in layers]
-        total = sum(self._sizes)
+        total = sum(size for _, size in layers)
+        if device == "cpu":
+            check_fits(total * numpy_dtype(dtype).itemsize)
+        self._sizes = [size for _, size in layers]
         flat: Any
         where: dict[str, Any]
         if device == "cpu":
@@ -177,7 +179,7 @@ class Client:
         views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]
         self._connection.send(
             Register(
-                layers=[Layer(name=name, size=int(size)) for name, size in layers],
+                layers=[Layer(name=name, size=size) for name, size in layers],
                 dtype=dtype,
                 op=op,
                 planner=planner if planner is not None else env.planner(),
@@ -221,15 +223,10 @@ class Client:
         cupy's current stream; a cupy or torch stream or a raw pointer); the daemon's work
         waits for it on the GPU, never here."""
         self._check_usable("ready()")
-        indices = [layers] if isinstance(layers, int | np.integer) else list(layers)
+        indices = check_indices(layers, len(self._sizes))
         for index in indices:
-            if not 0 <= index < len(self._sizes):
-                raise CommdError(
-                    f"commd: ready({index}): no such layer; registered layers are "
-                    f"0..{len(self._sizes) - 1}"
-                )
             if index in self._marked:
-                raise CommdError(
+                raise CommdValueError(
                     f"commd: ready({index}) twice in iteration {self.iteration}; "
                     "call wait() before marking it again"
                 )
@@ -239,7 +236,7 @@ class Client:
             raise CommdError("commd: ready(stream=) is for device buffers "
                              "(register(..., device='cuda'))")
         self._marked.update(indices)
-        if self._batch.add([int(i) for i in indices]):
+        if self._batch.add(indices):
             self._send_ready()
 
     def _send_ready(self) -> None:
@@ -290,12 +287,3 @@ class Client:
         if reply.fatal:
             self._failure = error
         return error
-
-
-def _check_layout(layers: Sequence[tuple[str, int]], dtype: str, op: str) -> None:
-    if dtype not in DTYPES:
-        raise CommdError(f"commd: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if op not in OPS:
-        raise CommdError(f"commd: unsupported op {op!r}; use one of {', '.join(OPS)}")
-    if not layers:
-        raise CommdError("commd: register() needs at least one layer")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from commd.coordinator.replanner import Replanner
+from commd.coordinator.validation import join_problem, profile_problem
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
@@ -61,10 +62,17 @@ class Coordinator:
             self._on_profile(node, message)
 
     def _on_join(self, node: bytes, join: PeerJoin) -> None:
+        problem = join_problem(join)
+        if problem:
+            self._refuse(node, join.job, problem)
+            return
         formation = self._jobs.get(join.job)
-        if formation is None or formation.formed:
-            if formation is not None:
-                log.info("job %s: a new run reuses the id", join.job)
+        if formation is not None and formation.formed:
+            # A second run under the id of a running one would take its place and stall it.
+            self._refuse(node, join.job, f"a run with this id is already running on "
+                         f"{len(formation.joins)} node(s); use a new job id for a new run")
+            return
+        if formation is None:
             formation = self._jobs[join.job] = Formation(join.job, join.world_size)
         formation.joins[node] = join
         problem = self._check(formation)
@@ -77,7 +85,7 @@ class Coordinator:
 
     def _check(self, formation: Formation) -> str:
         joins = sorted(formation.joins.values(), key=lambda j: min(j.ranks))
-        seen: dict[int, int] = {}
+        seen: dict[int, str] = {}  # rank -> the engine address of its node
         for join in joins:
             if join.world_size != formation.world_size:
                 return (
@@ -86,8 +94,9 @@ class Coordinator:
                 )
             for rank in join.ranks:
                 if rank in seen:
-                    return f"rank {rank} joined from two nodes"
-                seen[rank] = 1
+                    return (f"rank {rank} joined from two nodes, {seen[rank]} and {join.host}: "
+                            "check RANK on those nodes")
+                seen[rank] = join.host
             difference = describe_difference(joins[0], join)
             if difference:
                 return f"ranks {joins[0].ranks} and ranks {join.ranks} differ: {difference}"
@@ -124,6 +133,10 @@ class Coordinator:
         formation = self._jobs.get(profile.job)
         if formation is None or formation.replanner is None or node not in formation.joins:
             return
+        problem = profile_problem(profile, len(formation.joins[node].layers))
+        if problem:
+            self._abort_all(formation, ErrorCode.INVALID, f"a node's report is refused: {problem}")
+            return
         round_reports = formation.reports.setdefault(profile.round, {})
         round_reports[node] = profile
         if len(round_reports) < len(formation.joins):
@@ -154,12 +167,19 @@ class Coordinator:
         del self._jobs[formation.job]
 
     def _on_abort(self, node: bytes, abort: PeerAbort) -> None:
-        formation = self._jobs.pop(abort.job, None)
-        if formation is None:
-            return
+        formation = self._jobs.get(abort.job)
+        if formation is None or node not in formation.joins:
+            return  # only a node of the job may abort it
+        del self._jobs[abort.job]
         for other in formation.joins:
             if other != node:
                 self._send(other, abort)
+
+    def _refuse(self, node: bytes, job: str, reason: str) -> None:
+        """Fail one node's part of a job it joined wrongly; other nodes are not touched."""
+        text = prefixed(reason, f"job {job!r}: the coordinator refused this node's join: ")
+        log.warning("%s", text)
+        self._send(node, PeerAbort(job=job, code=ErrorCode.INVALID, message=text))
 
     def _on_leave(self, node: bytes, leave: PeerLeave) -> None:
         formation = self._jobs.get(leave.job)

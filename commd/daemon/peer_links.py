@@ -10,6 +10,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from commd.daemon.guard import Guard, serve
 from commd_protocol import PeerMessage, ProtocolViolation, encode
 from commd_protocol.codec import peer_codec
 
@@ -26,6 +27,7 @@ class PeerLinks:
         self._on_message = on_message
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
+        self.guard = Guard("coordinator link")
 
     def send(self, address: str, message: msgspec.Struct) -> None:
         socket = self._links.get(address) or self._open(address)
@@ -45,14 +47,15 @@ class PeerLinks:
         return socket
 
     async def _read(self, address: str, socket: zmq.asyncio.Socket) -> None:
-        while True:
-            frame = await socket.recv()
+        def handle(frame: bytes) -> None:
             try:
                 message = peer_codec.decode(frame)
             except ProtocolViolation as exc:
-                log.warning("dropping a bad message from coordinator %s: %s", address, exc)
-                continue
+                self.guard.refused(f"bad message from coordinator {address} ({exc.code})", exc)
+                return
             self._on_message(address, message)
+
+        await serve(self.guard, socket.recv, handle)
 
     async def close(self) -> None:
         for task in self._readers.values():

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 __all__ = [
     "notify",
@@ -118,12 +119,15 @@ def watchdog_interval() -> float | None:
     return usec / 1_000_000 if usec > 0 else None
 
 
-async def watchdog_loop(interval: float | None = None) -> None:
-    """Send WATCHDOG=1 every ``interval / 2`` seconds until cancelled.
+async def watchdog_loop(interval: float | None = None,
+                        alive: Callable[[], bool] | None = None) -> None:
+    """Send WATCHDOG=1 every ``interval / 2`` seconds until cancelled, while ``alive()``.
 
     ``interval`` defaults to `watchdog_interval()`; returns at once when there is no watchdog
     or no notify socket. The pings come from the event loop itself, so a loop that blocks for
     longer than the interval stops them and systemd restarts the daemon — that is the point.
+    Likewise the first time ``alive()`` is false (a message loop has ended) the pings stop for
+    good, and systemd restarts a daemon that could no longer serve.
     """
     if interval is None:
         interval = watchdog_interval()
@@ -135,6 +139,10 @@ async def watchdog_loop(interval: float | None = None) -> None:
     loop = asyncio.get_running_loop()
     next_at = loop.time()
     while True:
+        if alive is not None and not alive():
+            log.error("commd: a message loop has stopped; no more watchdog pings, so that "
+                      "systemd restarts the daemon")
+            return
         notify("WATCHDOG=1")
         # Fixed schedule (no drift from send time); after a stall, one ping at once and the
         # schedule restarts from now, never a burst of catch-up pings.

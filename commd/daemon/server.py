@@ -22,6 +22,7 @@ import zmq.asyncio
 import commd
 from commd.coordinator import Coordinator
 from commd.daemon import sdnotify
+from commd.daemon.guard import Guard, serve
 from commd.daemon.peer_links import PeerLinks
 from commd.daemon.rendezvous import Rendezvous
 from commd.daemon.sessions import ClientSessions
@@ -62,6 +63,7 @@ class Daemon:
         self.jobs: dict[str, Job] = {}
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._loops: list[asyncio.Task[None]] = []
         self._context = zmq.asyncio.Context()
         self._clients: zmq.asyncio.Socket | None = None
         self._peers: zmq.asyncio.Socket | None = None
@@ -70,6 +72,8 @@ class Daemon:
         self.peer_port = 0
         self._links = PeerLinks(self._context, self._on_coordinator_message)
         self._coordinator = Coordinator(self._send_peer_reply, self._store_port)
+        self._client_guard = Guard("client")
+        self._peer_guard = Guard("peer")
         self._sessions = ClientSessions(self.jobs, self._new_job, self._send_client,
                                         self._welcome, self.status)
 
@@ -87,17 +91,22 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
-        self._tasks = [
+        self._loops = [
             loop.create_task(self._serve_clients(), name="commd-clients"),
             loop.create_task(self._serve_peers(), name="commd-peers"),
-            loop.create_task(sdnotify.watchdog_loop(), name="commd-watchdog"),
         ]
+        self._tasks = [*self._loops, loop.create_task(
+            sdnotify.watchdog_loop(alive=self._loops_alive), name="commd-watchdog")]
         peers = f"{self.settings.listen_host}:{self.peer_port}"
         sdnotify.ready(f"serving {self.settings.socket}, peers on {peers}")
         log.info("serving clients on %s, peers on port %d", self.settings.socket, self.peer_port)
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _loops_alive(self) -> bool:
+        """Both message loops still run (a loop that ended means no more watchdog pings)."""
+        return all(not task.done() for task in self._loops)
 
     async def serve(self) -> None:
         await self._stop.wait()
@@ -122,36 +131,41 @@ class Daemon:
             if sock is not None:
                 sock.close(linger=_LINGER_MS)
         self._context.term()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.settings.socket)
+        if self._clients is not None:  # ours to remove only if we bound it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.settings.socket)
         self._rendezvous.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
     async def run(self) -> None:
-        await self.setup()
         try:
+            await self.setup()
             await self.serve()
             await self.drain()
-        finally:
+        finally:  # also after a failed start: what setup made so far is undone
             await self.cleanup()
 
     # --- client side -----------------------------------------------------------------------------
 
     async def _serve_clients(self) -> None:
-        assert self._clients is not None
+        clients = self._clients
+        assert clients is not None
         # A blocking view of the same socket: after each awaited receive, what is already
         # queued (161 ready notifications of a backward pass) is handled without an await
         # per message (~60 µs each).
-        queued: zmq.Socket[bytes] = zmq.Socket.shadow(self._clients.underlying)
-        while True:
-            self._sessions.on_frames(await self._clients.recv_multipart(copy=True))
+        queued: zmq.Socket[bytes] = zmq.Socket.shadow(clients.underlying)
+
+        def handle(frames: list[bytes]) -> None:
+            self._client_guard.call("a client frame", self._sessions.on_frames, frames)
             for _ in range(_DRAIN_BATCH):
                 try:
-                    frames = queued.recv_multipart(zmq.NOBLOCK)
+                    more = queued.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._sessions.on_frames(frames)
+                self._client_guard.call("a client frame", self._sessions.on_frames, more)
+
+        await serve(self._client_guard, lambda: clients.recv_multipart(copy=True), handle)
 
     def _send_client(self, identity: bytes, message: msgspec.Struct) -> None:
         if self._clients is None:
@@ -189,18 +203,22 @@ class Daemon:
     # --- peer side -------------------------------------------------------------------------------
 
     async def _serve_peers(self) -> None:
-        assert self._peers is not None
-        while True:
-            frames = await self._peers.recv_multipart(copy=True)
-            if len(frames) != 2:
-                continue
-            node, frame = frames
-            try:
-                message = peer_codec.decode(frame)
-            except ProtocolViolation as exc:
-                log.warning("dropping a bad peer message: %s", exc)
-                continue
-            self._coordinator.on_message(node, message)
+        peers = self._peers
+        assert peers is not None
+        await serve(self._peer_guard, lambda: peers.recv_multipart(copy=True),
+                    self._on_peer_frames)
+
+    def _on_peer_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._peer_guard.refused("peer message of several frames", f"{len(frames)} frames")
+            return
+        node, frame = frames
+        try:
+            message = peer_codec.decode(frame)
+        except ProtocolViolation as exc:
+            self._peer_guard.refused(f"bad peer message ({exc.code})", exc)
+            return
+        self._coordinator.on_message(node, message)
 
     def _send_peer_reply(self, node: bytes, message: msgspec.Struct) -> None:
         if self._peers is not None:

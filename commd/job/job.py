@@ -15,14 +15,13 @@ import msgspec
 
 from commd.engines import Engine
 from commd.engines.buffer_ops import BufferOps
-from commd.job import buffers, setup, validation
+from commd.job import buffers, replies, setup, validation
 from commd.job.members import Members
 from commd.job.pipeline import Pipeline, PipelineSnapshot, ReadyError, make_plan
 from commd.job.reporting import Reporter, job_status
 from commd.job.state import JobContext, JobError, JobState, LocalRank
 from commd_protocol import (
     PROTOCOL_VERSION,
-    Done,
     Error,
     ErrorCode,
     Hello,
@@ -32,7 +31,6 @@ from commd_protocol import (
     PeerPlan,
     PeerSetup,
     Register,
-    Registered,
 )
 from commd_protocol.address import split_host_port
 from commd_protocol.errors import prefixed
@@ -70,12 +68,19 @@ class Job:
     # --- forming ---------------------------------------------------------------------------------
 
     def add_rank(self, identity: bytes, hello: Hello) -> LocalRank:
-        if self.state is not JobState.FORMING:
-            raise JobError(
-                f"job {self.id!r} is already {self.state}; use a new job id for a new run",
-                ErrorCode.OUT_OF_ORDER,
-            )
-        return self.members.add(identity, hello)
+        """A rank said hello. One that contradicts the ranks of a forming job fails the job
+        at once (it could never form), naming both."""
+        if self.state is JobState.FORMING:
+            try:
+                return self.members.add(identity, hello)
+            except JobError as exc:
+                if self.members.ranks:
+                    self.fail(exc.code, str(exc))
+                raise
+        if self.state is JobState.FAILED:
+            self.members.check(hello)  # what made it fail may be the clearer message
+        raise JobError(f"job {self.id!r} is already {self.state}; use a new job id for a new run",
+                       ErrorCode.OUT_OF_ORDER)
 
     def register(self, member: LocalRank, message: Register) -> None:
         """Attach the rank's buffer; once every local rank is in, ask the coordinator to join."""
@@ -116,6 +121,10 @@ class Job:
         if self.state is not JobState.JOINING:
             log.warning("job %s: ignoring set-up in state %s", self.id, self.state)
             return
+        problem = validation.setup_problem(message)
+        if problem:
+            self.fail(ErrorCode.INVALID, f"the coordinator sent a bad set-up: {problem}")
+            return
         self.state, self.setup = JobState.STARTING, message
         try:
             probe = await setup.set_up(self, message)
@@ -125,12 +134,13 @@ class Job:
         if probe is not None and self.reporter is not None:
             self.reporter.probe(probe)
 
-    def first_registration(self) -> Register:
-        return self.members.first_registration()
-
     def on_plan(self, decision: PeerPlan) -> None:
         """The coordinator's plan for a round; round 0's starts the job."""
         if self.pipeline is None or self.state not in (JobState.STARTING, JobState.RUNNING):
+            return
+        problem = validation.plan_problem(decision, len(self.pipeline.sizes))
+        if problem:
+            self.fail(ErrorCode.INVALID, f"the coordinator sent a bad plan: {problem}")
             return
         self.last_plan = decision
         self.pipeline.schedule(
@@ -145,11 +155,7 @@ class Job:
         assert self.pipeline is not None and self.setup is not None
         self.pipeline.start()
         self.state = JobState.RUNNING
-        reply = Registered(
-            nodes=self.setup.nodes, node_index=self.setup.node_index, groups=decision.groups,
-            planner=self.setup.planner, plan=decision.version,
-            done_event=self.ops.done_event if self.ops else b"",
-        )
+        reply = replies.registered(self.setup, decision, self.ops)
         for member in self.members.ranks.values():
             member.told_plan = decision.version
             self.ctx.send_client(member.identity, reply)
@@ -183,7 +189,8 @@ class Job:
         pipeline = self._running("wait")
         if iteration < pipeline.iteration:
             version = pipeline.plan.version if pipeline.plan else 0
-            self.ctx.send_client(member.identity, self._done(member, iteration, version))
+            reply = replies.done(pipeline, member, iteration, version)
+            self.ctx.send_client(member.identity, reply)
         elif iteration == pipeline.iteration:
             member.waiting = iteration
         else:
@@ -194,23 +201,12 @@ class Job:
 
     def iteration_done(self, iteration: int, plan_version: int) -> None:
         """The pipeline finished ``iteration``: answer the ranks that wait for it."""
+        assert self.pipeline is not None
         for member in self.members.ranks.values():
             if member.waiting == iteration:
                 member.waiting = None
-                self.ctx.send_client(member.identity,
-                                     self._done(member, iteration, plan_version))
-
-    def _done(self, member: LocalRank, iteration: int, plan_version: int) -> Done:
-        """The reply to a wait, with the next iteration's groups if this rank lacks them."""
-        assert self.pipeline is not None
-        upcoming = self.pipeline.upcoming_plan(iteration + 1)
-        if upcoming is None:
-            return Done(iteration=iteration, plan=plan_version)
-        groups = None
-        if member.told_plan != upcoming.version:
-            member.told_plan, groups = upcoming.version, upcoming.groups
-        return Done(iteration=iteration, plan=plan_version, next_plan=upcoming.version,
-                    next_groups=groups)
+                reply = replies.done(self.pipeline, member, iteration, plan_version)
+                self.ctx.send_client(member.identity, reply)
 
     # --- failure and departure -------------------------------------------------------------------
 

@@ -16,21 +16,33 @@ class Members:
         self._first = first
         self.ranks: dict[int, LocalRank] = {}  # by local rank
 
-    def add(self, identity: bytes, hello: Hello) -> LocalRank:
-        """A new local rank; JobError (MISMATCH) when it contradicts the ones before."""
+    def check(self, hello: Hello) -> None:
+        """JobError (MISMATCH, naming both ranks) when ``hello`` contradicts the ranks here."""
+        first = self._first
         for name in _SHARED_FIELDS:
-            if getattr(hello, name) != getattr(self._first, name):
+            if getattr(hello, name) != getattr(first, name):
                 raise JobError(
-                    f"rank {hello.rank} says {name}={getattr(hello, name)!r} but job "
-                    f"{self.job!r} has {name}={getattr(self._first, name)!r}",
+                    f"rank {hello.rank} (pid {hello.pid}) says {name}={getattr(hello, name)!r} "
+                    f"but rank {first.rank} (pid {first.pid}) said {name}="
+                    f"{getattr(first, name)!r} for job {self.job!r}; every rank must agree",
                     ErrorCode.MISMATCH,
                 )
-        if hello.local_rank in self.ranks:
+        same = self.ranks.get(hello.local_rank)
+        if same is not None:
             raise JobError(
                 f"local rank {hello.local_rank} of job {self.job!r} is already connected "
-                f"(rank {self.ranks[hello.local_rank].rank})",
-                ErrorCode.MISMATCH,
-            )
+                f"(rank {same.rank}, pid {same.pid}); rank {hello.rank} (pid {hello.pid}) says "
+                "the same local rank: check LOCAL_RANK", ErrorCode.MISMATCH)
+        same = next((r for r in self.ranks.values() if r.rank == hello.rank), None)
+        if same is not None:
+            raise JobError(
+                f"rank {hello.rank} of job {self.job!r} is already connected (local rank "
+                f"{same.local_rank}, pid {same.pid}); local rank {hello.local_rank} (pid "
+                f"{hello.pid}) says the same rank: check RANK", ErrorCode.MISMATCH)
+
+    def add(self, identity: bytes, hello: Hello) -> LocalRank:
+        """A new local rank; JobError (MISMATCH) when it contradicts the ones before."""
+        self.check(hello)
         member = LocalRank(identity, hello.rank, hello.local_rank, hello.pid)
         self.ranks[hello.local_rank] = member
         return member

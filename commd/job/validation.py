@@ -6,16 +6,17 @@ Whether the ranks of a job agree with each other is ``agreement``'s business.
 
 from __future__ import annotations
 
-import re
+import math
 
+from commd.compression.costs import EXCHANGES
 from commd.compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from commd.compression.topk import parse_compression
 from commd.job import buffers
 from commd.job.state import JobContext, JobError
-from commd_protocol import DTYPES, OPS, PROTOCOL_VERSION, ErrorCode, Hello, Register
+from commd.plan import validate_plan
+from commd_protocol import PROTOCOL_VERSION, ErrorCode, Hello, PeerPlan, PeerSetup, Register
 from commd_protocol.address import split_host_port
-
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
+from commd_protocol.checks import job_id_problem, layers_problem, layout_problem
 
 
 def check_hello(hello: Hello) -> None:
@@ -25,8 +26,9 @@ def check_hello(hello: Hello) -> None:
             f"{PROTOCOL_VERSION}); install matching commd and commd_client versions",
             ErrorCode.VERSION,
         )
-    if not _JOB_ID.match(hello.job):
-        raise JobError(f"invalid job id {hello.job!r}: use 1-128 of A-Z a-z 0-9 _.:@/+-")
+    problem = job_id_problem(hello.job)
+    if problem:
+        raise JobError(problem)
     if not 0 <= hello.rank < hello.world_size:
         raise JobError(f"rank {hello.rank} is outside world size {hello.world_size}")
     if not 0 <= hello.local_rank < hello.local_world_size <= hello.world_size:
@@ -51,15 +53,10 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
             context.engine_for(message.device)
         except ValueError as exc:
             raise JobError(str(exc)) from None
-    if message.dtype not in DTYPES:
-        raise JobError(f"unsupported dtype {message.dtype!r}; use one of {', '.join(DTYPES)}")
-    if message.op not in OPS:
-        raise JobError(f"unsupported op {message.op!r}; use one of {', '.join(OPS)}")
-    if not message.layers:
-        raise JobError("register needs at least one layer")
-    for index, layer in enumerate(message.layers):
-        if layer.size <= 0:
-            raise JobError(f"layer {index} ({layer.name!r}) has size {layer.size}; must be > 0")
+    problem = (layout_problem(message.dtype, message.op, message.device)
+               or layers_problem(message.layers))
+    if problem:
+        raise JobError(problem)
     try:
         spec = parse_compression(message.compression)
     except ValueError as exc:
@@ -72,3 +69,30 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
         context.validate_planner(message.planner)
     except ValueError as exc:
         raise JobError(str(exc)) from None
+
+
+def setup_problem(setup: PeerSetup) -> str:
+    """'' when the coordinator's set-up fits together, else what is wrong."""
+    if not 0 <= setup.node_index < setup.nodes:
+        return f"node {setup.node_index} of {setup.nodes} nodes"
+    if not 0 <= setup.store_port < 65536 or (setup.nodes > 1 and setup.store_port == 0):
+        return f"rendezvous port {setup.store_port}"
+    return ""
+
+
+def plan_problem(plan: PeerPlan, layers: int) -> str:
+    """'' when the coordinator's plan is one this job can run, else what is wrong."""
+    try:
+        validate_plan(plan.groups, layers)
+    except ValueError as exc:
+        return str(exc)
+    if plan.exchanges and len(plan.exchanges) != len(plan.groups):
+        return f"{len(plan.exchanges)} exchanges for {len(plan.groups)} groups"
+    unknown = sorted(set(plan.exchanges) - {"dense", *EXCHANGES})
+    if unknown:
+        return f"unknown exchanges {unknown}"
+    if not (math.isfinite(plan.ratio) and 0 <= plan.ratio <= 1):
+        return f"top-k ratio {plan.ratio}"
+    if plan.effective_iteration < 0 or plan.version < 1:
+        return f"plan v{plan.version} from iteration {plan.effective_iteration}"
+    return ""

@@ -1,7 +1,15 @@
 """commd's wire protocol: typed MessagePack messages shared by the daemon and its clients."""
 
 from .codec import MAX_MESSAGE_BYTES, Codec, ProtocolViolation, encode
-from .errors import CommdError, CommdTimeout, ErrorCode, error_from_reply
+from .errors import (
+    CommdError,
+    CommdTimeout,
+    CommdTypeError,
+    CommdValueError,
+    ErrorCode,
+    error_from_reply,
+    prefixed,
+)
 from .ipc import INTERPROCESS_EVENT_FLAGS, IPC_HANDLE_BYTES
 from .messages import (
     DEVICES,
@@ -51,6 +59,8 @@ __all__ = [
     "Codec",
     "CommdError",
     "CommdTimeout",
+    "CommdTypeError",
+    "CommdValueError",
     "DaemonMessage",
     "Done",
     "Error",
@@ -75,4 +85,5 @@ __all__ = [
     "Welcome",
     "encode",
     "error_from_reply",
+    "prefixed",
 ]

@@ -54,12 +54,16 @@ class Codec(Generic[T]):
             return self._decoder.decode(frame)  # type: ignore[no-any-return]
         except msgspec.DecodeError as exc:
             raise self._explain(frame, exc) from None
+        except RecursionError:
+            raise _too_deep() from None
 
     def _explain(self, frame: bytes, exc: msgspec.DecodeError) -> ProtocolViolation:
         try:
             raw = self._raw.decode(frame)
         except msgspec.DecodeError:
             return ProtocolViolation(f"not a MessagePack message ({exc})", ErrorCode.MALFORMED)
+        except RecursionError:
+            return _too_deep()
         if not isinstance(raw, dict):
             return ProtocolViolation(
                 f"a message must be a map with a 'type' field, got {type(raw).__name__}",
@@ -76,6 +80,11 @@ class Codec(Generic[T]):
             )
         # msgspec names the offending field, e.g. "Expected `int`, got `str` - at `$.rank`".
         return ProtocolViolation(f"bad {tag!r} message: {exc}", ErrorCode.MALFORMED, ref=str(tag))
+
+
+def _too_deep() -> ProtocolViolation:
+    # msgspec stops at its recursion limit; no message of the protocol nests more than 3 deep.
+    return ProtocolViolation("message is nested too deeply", ErrorCode.MALFORMED)
 
 
 def _tags_of(union: Any) -> set[str]:

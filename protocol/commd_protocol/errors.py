@@ -45,6 +45,14 @@ class CommdError(Exception):
         return str(self.args[0])
 
 
+class CommdValueError(CommdError, ValueError):
+    """An argument with a bad value; the message names the argument."""
+
+
+class CommdTypeError(CommdError, TypeError):
+    """An argument of the wrong type; the message names the argument."""
+
+
 class CommdTimeout(CommdError, TimeoutError):
     """A wait, a registration or a collective ran past its timeout."""
 

@@ -1,0 +1,65 @@
+"""Checks of values that both sides (and every node) must refuse alike: job ids, layer lists,
+dtypes and ops. Each returns '' when the value is fine, else what is wrong, in words."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+from .messages import DEVICES, DTYPES, OPS, Layer
+
+JOB_ID = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
+MAX_NAME_CHARS = 1024  # a layer name; PyTorch's longest parameter paths are ~200
+
+
+def job_id_problem(job: str) -> str:
+    if JOB_ID.match(job):
+        return ""
+    return f"invalid job id {job!r}: use 1-128 of A-Z a-z 0-9 _.:@/+-"
+
+
+def layers_problem(layers: Sequence[Layer], max_layers: int | None = None) -> str:
+    if not layers:
+        return "register needs at least one layer"
+    if max_layers is not None and len(layers) > max_layers:
+        return f"{len(layers)} layers is over this daemon's limit of {max_layers} (max_layers)"
+    names: set[str] = set()
+    for index, layer in enumerate(layers):
+        if layer.size <= 0:
+            return f"layer {index} ({layer.name!r}) has size {layer.size}; must be > 0"
+        if len(layer.name) > MAX_NAME_CHARS:
+            return f"layer {index}'s name is {len(layer.name)} characters; at most " \
+                   f"{MAX_NAME_CHARS}"
+        if layer.name in names:
+            return f"layer {index}'s name {layer.name!r} is used twice; layer names must differ"
+        names.add(layer.name)
+    return ""
+
+
+def layout_problem(dtype: str, op: str, device: str) -> str:
+    if dtype not in DTYPES:
+        return f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+    if op not in OPS:
+        return f"unsupported op {op!r}; use one of {', '.join(OPS)}"
+    if device not in DEVICES:
+        return f"unsupported device {device!r}; use one of {', '.join(DEVICES)}"
+    return ""
+
+
+def ranks_problem(ranks: Sequence[int], world_size: int) -> str:
+    if world_size < 1:
+        return f"world size {world_size} must be at least 1"
+    if not ranks:
+        return "at least one rank is needed"
+    outside = sorted(r for r in ranks if not 0 <= r < world_size)
+    if outside:
+        return f"ranks {outside[:10]} are outside world size {world_size}"
+    if len(set(ranks)) != len(ranks):
+        return f"ranks {sorted(ranks)[:20]} name a rank twice"
+    return ""
+
+
+def finite(values: Iterable[float], *, minimum: float = 0.0) -> bool:
+    """Every value is a finite number >= ``minimum``."""
+    return all(math.isfinite(v) and v >= minimum for v in values)
