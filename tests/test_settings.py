@@ -51,6 +51,9 @@ LAYERS: dict[str, tuple[Any, str, str, tuple[Any, Any, Any]]] = {
                ("/f/commd.sock", "/e/commd.sock", "/c/commd.sock")),
     "listen": ("10.0.0.1:1001", "10.0.0.2:1002", "[::1]:1003",
                ("10.0.0.1:1001", "10.0.0.2:1002", "[::1]:1003")),
+    "cluster_key": ("/f/cluster.key", "/e/cluster.key", "/c/cluster.key",
+                    ("/f/cluster.key", "/e/cluster.key", "/c/cluster.key")),
+    "insecure": (True, "no", "yes", (True, False, True)),
     "backend": ("nccl", "gloo", "nccl", ("nccl", "gloo", "nccl")),
     "advertise": ("10.1.0.1", "10.1.0.2", "10.1.0.3", ("10.1.0.1", "10.1.0.2", "10.1.0.3")),
     "timeout_s": (5, "6.5", "7.25", (5.0, 6.5, 7.25)),
@@ -113,14 +116,17 @@ def test_command_line_config_wins_over_commd_config(tmp_path: Path) -> None:
 
 
 def test_listen_host_and_port() -> None:
-    assert (Settings().listen_host, Settings().listen_port) == ("0.0.0.0", 29600)
+    # Protected mode: without a cluster key peers are served on loopback only by default.
+    assert (Settings().listen_host, Settings().listen_port) == ("127.0.0.1", 29600)
+    keyed = Settings(cluster_key="/etc/commd/cluster.key")
+    assert (keyed.listen_host, keyed.listen_port) == ("0.0.0.0", 29600)
     ipv6 = Settings(listen="[::1]:29601")
     assert (ipv6.listen_host, ipv6.listen_port) == ("::1", 29601)
     assert split_host_port("node-7.example:0", "x") == ("node-7.example", 0)
 
 
 @pytest.mark.parametrize("value", ["nonsense", "host:", ":29600", "host:65536", "host:-1",
-                                   "host:8o", "", "host:29600:"])
+                                   "host:8o", "host:29600:"])
 def test_bad_listen(value: str) -> None:
     with pytest.raises(SettingsError, match=r"^commd: listen must be HOST:PORT") as info:
         load(parse("--listen", value), {})
@@ -302,3 +308,18 @@ def test_no_subcommand_prints_help_and_returns_2(capsys: pytest.CaptureFixture[s
 
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("where", "value"), [("env", "maybe"), ("env", ""), ("file", "yes"),
+                                              ("file", 1)])
+def test_insecure_takes_only_a_yes_or_no(where: str, value: Any, tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"^commd: (COMMD_INSECURE|insecure in .*) must be"):
+        if where == "env":
+            load(parse(), {"COMMD_INSECURE": value})
+        else:
+            load(parse("--config", write_config(tmp_path / "c.toml", {"insecure": value})), {})
+
+
+def test_insecure_alone_on_the_command_line_means_yes() -> None:
+    assert load(parse("--insecure"), {}).insecure is True
+    assert load(parse("--insecure", "off"), {"COMMD_INSECURE": "1"}).insecure is False

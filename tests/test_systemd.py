@@ -76,7 +76,8 @@ def test_unit_hardening_leaves_gpus_and_shared_memory_reachable() -> None:
 
 def test_example_config_matches_the_unit() -> None:
     config = tomllib.loads(CONFIG.read_text())
-    assert set(config) == {"socket", "listen", "backend", "timeout_s", "log_level"}
+    assert set(config) == {"socket", "listen", "cluster_key", "backend", "timeout_s",
+                           "log_level"}
     unit = unit_settings(UNIT.read_text())
     runtime_dir = one(unit, "Service.RuntimeDirectory")
     assert config["socket"] == f"/run/{runtime_dir}/commd.sock"

@@ -11,9 +11,10 @@ import sys
 from typing import NoReturn
 
 from commd import __version__
-from commd.cli import costs, profile, run, simulate, status
+from commd.cli import costs, keygen, profile, run, simulate, status
 
-_COMMANDS = (run, status, simulate, costs, profile)  # in the order `commd --help` lists them
+# In the order `commd --help` lists them.
+_COMMANDS = (run, status, keygen, simulate, costs, profile)
 
 
 class _Parser(argparse.ArgumentParser):

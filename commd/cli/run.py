@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     except settings.SettingsError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    exposed = config.exposure_problem()  # refused before anything is logged or bound
+    if exposed:
+        print(exposed, file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

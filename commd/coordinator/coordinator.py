@@ -7,6 +7,7 @@ clients name it (the daemon on rank 0's node), so no election is needed.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ class Formation:
 
 
 class Coordinator:
-    def __init__(self, send: SendNode, store_port: Callable[[], int]) -> None:
+    def __init__(self, send: SendNode, store_port: Callable[[str], int]) -> None:
         self._send = send
         self._store_port = store_port
         self._jobs: dict[str, Formation] = {}
@@ -112,7 +113,9 @@ class Coordinator:
         formation.replanner = Replanner(first.planner, sizes, nodes=len(order),
                                         compression=first.compression,
                                         itemsize=itemsize(first.dtype))
-        store_port = self._store_port() if len(order) > 1 else 0
+        # The store is reached at the address the first node's engine reaches us by.
+        store_port = self._store_port(first.host) if len(order) > 1 else 0
+        prefix = secrets.token_hex(16)  # 128 bits: nobody guesses where the job's keys are
         for index, (node, _join) in enumerate(order):
             self._send(
                 node,
@@ -122,6 +125,7 @@ class Coordinator:
                     node_index=index,
                     nodes=len(order),
                     store_port=store_port,
+                    store_prefix=prefix,
                     planner=first.planner,
                 ),
             )

@@ -11,6 +11,8 @@ import zmq
 import zmq.asyncio
 
 from commd.daemon.guard import Guard, serve
+from commd.daemon.peer_security import ClusterKey, connect_securely
+from commd.daemon.sockets import PEER_FRAME_CAP
 from commd_protocol import PeerMessage, ProtocolViolation, encode
 from commd_protocol.codec import peer_codec
 
@@ -28,6 +30,7 @@ class PeerLinks:
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
         self.guard = Guard("coordinator link")
+        self.key: ClusterKey | None = None  # CurveZMQ on every link once set (before any)
 
     def send(self, address: str, message: msgspec.Struct) -> None:
         socket = self._links.get(address) or self._open(address)
@@ -37,6 +40,9 @@ class PeerLinks:
     def _open(self, address: str) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 1000)  # let a last abort or leave go out on shutdown
+        socket.setsockopt(zmq.MAXMSGSIZE, PEER_FRAME_CAP)
+        if self.key is not None:
+            connect_securely(socket, self.key)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         socket.connect(f"tcp://{address}")

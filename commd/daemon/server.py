@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 import zmq
@@ -24,6 +25,13 @@ from commd.coordinator import Coordinator
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, serve
 from commd.daemon.peer_links import PeerLinks
+from commd.daemon.peer_security import (
+    ClusterKey,
+    ClusterOnly,
+    KeyFileError,
+    load_key,
+    start_authenticator,
+)
 from commd.daemon.rendezvous import Rendezvous
 from commd.daemon.sessions import ClientSessions
 from commd.daemon.settings import Settings
@@ -72,6 +80,8 @@ class Daemon:
         self.peer_port = 0
         self._links = PeerLinks(self._context, self._on_coordinator_message)
         self._coordinator = Coordinator(self._send_peer_reply, self._store_port)
+        self._authenticator: Any = None  # the ZAP handler, with a cluster key
+        self._admission: ClusterOnly | None = None
         self._client_guard = Guard("client")
         self._peer_guard = Guard("peer")
         self._sessions = ClientSessions(self.jobs, self._new_job, self._send_client,
@@ -85,9 +95,10 @@ class Daemon:
         except Exception as exc:
             raise StartupError(str(exc)) from None
         log.info("backend %s (%s)", self.backend, why)
+        key = self._secure_peers()
         self._clients = bind_clients(self._context, self.settings.socket)
         self._peers, self.peer_port = bind_peers(self._context, self.settings.listen_host,
-                                                 self.settings.listen_port)
+                                                 self.settings.listen_port, key)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
@@ -100,6 +111,27 @@ class Daemon:
         peers = f"{self.settings.listen_host}:{self.peer_port}"
         sdnotify.ready(f"serving {self.settings.socket}, peers on {peers}")
         log.info("serving clients on %s, peers on port %d", self.settings.socket, self.peer_port)
+
+    def _secure_peers(self) -> ClusterKey | None:
+        """The cluster key and the ZAP handler that admits only its holders (None: no key,
+        then peers are served on loopback only, unless --insecure)."""
+        problem = self.settings.exposure_problem()
+        if problem:
+            raise StartupError(problem)
+        if not self.settings.cluster_key:
+            if self.settings.insecure:
+                log.warning("serving peers on %s without a cluster key (--insecure)",
+                            self.settings.peer_listen)
+            return None
+        try:
+            key = load_key(self.settings.cluster_key)
+        except KeyFileError as exc:
+            raise StartupError(str(exc)) from None
+        self._authenticator, self._admission = start_authenticator(self._context, key)
+        self._links.key = key
+        log.info("peers authenticated and encrypted with the cluster key %s",
+                 self.settings.cluster_key)
+        return key
 
     def stop(self) -> None:
         self._stop.set()
@@ -126,6 +158,8 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._links.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         # The error replies of the drain still leave: closing lingers up to LINGER_MS for them.
         for sock in (self._clients, self._peers):
             if sock is not None:
@@ -225,8 +259,13 @@ class Daemon:
             future = self._peers.send_multipart([node, encode(message)])
             future.add_done_callback(_ignore_result)  # type: ignore[attr-defined]
 
-    def _store_port(self) -> int:
-        return self._rendezvous.port(self.settings.listen_host)
+    def _store_port(self, peer_host: str) -> int:
+        """The rendezvous store, bound to one address (never every interface): the one we
+        listen on, the one we advertise, or the one that routes to the joining peer."""
+        host = self.settings.listen_host
+        if host in ("0.0.0.0", "::", "*"):
+            host = self.settings.advertise or route_source(peer_host)
+        return self._rendezvous.port(host)
 
     def _on_coordinator_message(self, address: str, message: PeerMessage) -> None:
         job = self.jobs.get(getattr(message, "job", ""))
@@ -261,6 +300,7 @@ class Daemon:
             listen=f"{self.settings.listen_host}:{self.peer_port}",
             jobs=[job.status() for job in self.jobs.values()],
             coordinating=self._coordinator.status(),
+            peer_handshakes_refused=self._admission.rejected if self._admission else 0,
         )
 
 

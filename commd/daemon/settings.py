@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import math
 import os
@@ -35,7 +36,12 @@ def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> 
 @dataclass(frozen=True)
 class Settings:
     socket: str = _option(DEFAULT_SOCKET, "ipc socket path for this node's training processes")
-    listen: str = _option(f"0.0.0.0:{DEFAULT_PEER_PORT}", "HOST:PORT for peer daemons")
+    listen: str = _option("", f"HOST:PORT for peer daemons ('': 0.0.0.0:{DEFAULT_PEER_PORT} "
+                          f"with a cluster key, else 127.0.0.1:{DEFAULT_PEER_PORT})")
+    cluster_key: str = _option("", "cluster key file (`commd keygen PATH`), the same on every "
+                               "node: peers must hold it; without it only loopback is served")
+    insecure: bool = _option(False, "serve peers beyond loopback without a cluster key (only on "
+                             "a network where every host is trusted)")
     backend: str = _option("auto", "collective engine (auto: nccl with a GPU, else gloo)",
                            BACKENDS)
     advertise: str = _option("", "address peers reach this node's engine at (default: the "
@@ -45,12 +51,28 @@ class Settings:
     log_level: str = _option("info", "log level", LOG_LEVELS)
 
     @property
+    def peer_listen(self) -> str:
+        """``listen``, or its default: every interface with a cluster key, else loopback."""
+        if self.listen:
+            return self.listen
+        return f"{'0.0.0.0' if self.cluster_key else '127.0.0.1'}:{DEFAULT_PEER_PORT}"
+
+    @property
     def listen_host(self) -> str:
-        return split_host_port(self.listen, "listen")[0]
+        return split_host_port(self.peer_listen, "listen")[0]
 
     @property
     def listen_port(self) -> int:
-        return split_host_port(self.listen, "listen")[1]
+        return split_host_port(self.peer_listen, "listen")[1]
+
+    def exposure_problem(self) -> str:
+        """'' unless peers would be served beyond loopback without a cluster key."""
+        if self.cluster_key or self.insecure or _loopback(self.listen_host):
+            return ""
+        return (f"commd: --listen {self.peer_listen} is reachable from other hosts, but there is "
+                "no cluster key: anyone who reaches it could join, read or abort jobs. Pass "
+                "--cluster-key FILE (make one with `commd keygen FILE`), or --insecure on a "
+                "network where every host is trusted")
 
 
 @dataclass(frozen=True)
@@ -62,7 +84,7 @@ class Option:
     choices: tuple[str, ...] | None = None
 
 
-_TYPES = {"str": str, "float": float}  # the annotations, as strings (postponed evaluation)
+_TYPES = {"str": str, "float": float, "bool": bool}  # annotations, as strings (postponed)
 
 # Every option, derived from the fields of Settings: flags, env names and TOML keys come from it.
 OPTIONS: tuple[Option, ...] = tuple(
@@ -87,13 +109,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", metavar="FILE", help="TOML file with the options below (env COMMD_CONFIG)"
     )
     for option in OPTIONS:
+        switch = {"nargs": "?", "const": True} if option.type is bool else {}  # --insecure
         parser.add_argument(
             "--" + option.name.replace("_", "-"),
             dest=option.name,
-            type=option.type,
+            type=_boolean if option.type is bool else option.type,
             choices=option.choices,
             default=None,
             help=f"{option.help} (default {option.default!r}; env COMMD_{option.name.upper()})",
+            **switch,  # type: ignore[arg-type]
         )
 
 
@@ -136,7 +160,7 @@ def _from_file(path: str) -> dict[str, Any]:
             )
         if (option.type is str and not isinstance(raw, str)) or (option.type is float and (
             isinstance(raw, bool) or not isinstance(raw, int | float)
-        )):
+        )) or (option.type is bool and not isinstance(raw, bool)):
             raise SettingsError(
                 f"commd: {key} in {path} must be a {option.type.__name__}, got {raw!r}"
             )
@@ -144,9 +168,21 @@ def _from_file(path: str) -> dict[str, Any]:
     return values
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _boolean(raw: str | bool) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    word = raw.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(raw)
+    return word in _TRUE
+
+
 def _convert(option: Option, raw: Any, where: str) -> Any:
     try:
-        value = option.type(raw)
+        value = _boolean(raw) if option.type is bool else option.type(raw)
     except (TypeError, ValueError):
         raise SettingsError(
             f"commd: {where} must be a {option.type.__name__}, got {raw!r}"
@@ -157,7 +193,7 @@ def _convert(option: Option, raw: Any, where: str) -> Any:
 
 
 def _validate(settings: Settings) -> None:
-    split_host_port(settings.listen, "listen")
+    split_host_port(settings.peer_listen, "listen")
     if not math.isfinite(settings.timeout_s) or settings.timeout_s <= 0:
         raise SettingsError(f"commd: timeout_s must be positive, got {settings.timeout_s}")
     from commd.plan import get_planner  # pure and light; validates the planner name
@@ -173,3 +209,12 @@ def _validate(settings: Settings) -> None:
 def log_once(settings: Settings, logger: logging.Logger) -> None:
     fields = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(settings).items())
     logger.info("settings: %s", fields)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

@@ -9,7 +9,13 @@ import socket as pysocket
 import zmq
 import zmq.asyncio
 
+from commd.daemon.peer_security import ClusterKey, serve_securely
+from commd_protocol import MAX_MESSAGE_BYTES
+
 CLIENT_FRAME_CAP = 64 * 1024 * 1024  # a hard cap on a client frame; over 4 MiB is refused typed
+# A peer frame carries at most a join (the layers of a register, itself at most 4 MiB): a
+# bigger one drops the connection before any of it is buffered (no one to answer, typed).
+PEER_FRAME_CAP = MAX_MESSAGE_BYTES + 64 * 1024
 
 
 class StartupError(Exception):
@@ -31,11 +37,15 @@ def bind_clients(context: zmq.asyncio.Context, path: str) -> zmq.asyncio.Socket:
     return clients
 
 
-def bind_peers(context: zmq.asyncio.Context, host: str, port: int
+def bind_peers(context: zmq.asyncio.Context, host: str, port: int, key: ClusterKey | None
                ) -> tuple[zmq.asyncio.Socket, int]:
-    """The ROUTER peer daemons talk to, and its port (a random one for port 0)."""
+    """The ROUTER peer daemons talk to (CurveZMQ with a cluster key), and its port (a random
+    one for port 0)."""
     peers = context.socket(zmq.ROUTER)
     peers.setsockopt(zmq.LINGER, 0)
+    peers.setsockopt(zmq.MAXMSGSIZE, PEER_FRAME_CAP)
+    if key is not None:
+        serve_securely(peers, key)
     try:
         if port == 0:
             port = peers.bind_to_random_port(f"tcp://{host}")

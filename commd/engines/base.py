@@ -18,13 +18,18 @@ class EngineError(Exception):
 class EngineConfig:
     """What an engine needs to join its job's group: one engine rank per node."""
 
-    key: str  # unique per job set-up: "<job>/<generation>"
+    key: str  # the job's secret prefix in the rendezvous store (unique per set-up)
     rank: int  # this node's index
     size: int  # number of nodes
     store_host: str  # the coordinator's rendezvous store
     store_port: int
     host: str  # the address this node's engine listens on
     timeout_s: float
+    name: str = ""  # how messages name the group, e.g. "<job>/<generation>" (never the key)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.key
 
 
 class Engine(ABC):

@@ -46,7 +46,7 @@ class GlooEngine(Engine):
             )
         except TimeoutError:
             raise EngineError(
-                f"Gloo group {config.key} did not form within {config.timeout_s:g}s"
+                f"Gloo group {config.label} did not form within {config.timeout_s:g}s"
             ) from None
         except Exception as exc:  # the library's own words, e.g. "Connection refused"
             raise EngineError(f"Gloo set-up failed: {exc}") from exc

@@ -92,7 +92,7 @@ class NcclEngine(Engine):
         except EngineError:
             self.close()
             raise
-        log.info("NCCL communicator %s: rank %d of %d on GPU %d", config.key, config.rank,
+        log.info("NCCL communicator %s: rank %d of %d on GPU %d", config.label, config.rank,
                  config.size, device)
 
     @staticmethod

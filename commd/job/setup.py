@@ -117,7 +117,8 @@ async def _start_engine(job: Starting, ops: BufferOps, setup: PeerSetup) -> Engi
         engine.bind(ops)
     host = job.coordinator_host
     config = EngineConfig(
-        key=f"{job.id}/{setup.generation}",
+        key=setup.store_prefix or f"{job.id}/{setup.generation}",
+        name=f"{job.id}/{setup.generation}",
         rank=setup.node_index,
         size=setup.nodes,
         store_host=host,

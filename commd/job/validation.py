@@ -77,6 +77,8 @@ def setup_problem(setup: PeerSetup) -> str:
         return f"node {setup.node_index} of {setup.nodes} nodes"
     if not 0 <= setup.store_port < 65536 or (setup.nodes > 1 and setup.store_port == 0):
         return f"rendezvous port {setup.store_port}"
+    if len(setup.store_prefix) > 128:
+        return f"a rendezvous prefix of {len(setup.store_prefix)} characters"
     return ""
 
 

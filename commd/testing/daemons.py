@@ -16,6 +16,7 @@ from pathlib import Path
 from commd.testing.processes import stop_process
 
 READY_TIMEOUT_S = 30.0
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class LocalDaemon:
@@ -25,7 +26,9 @@ class LocalDaemon:
                  env: dict[str, str] | None = None, listen_host: str = "127.0.0.1",
                  prefix: Sequence[str] = ()) -> None:
         """``prefix`` wraps the command, e.g. ``ip netns exec NS`` for a network namespace
-        (the notify socket is a file, so readiness still reaches us)."""
+        (the notify socket is a file, so readiness still reaches us). A daemon that listens
+        beyond loopback gets the workdir's cluster key, shared by every daemon started
+        there, unless ``extra`` names ``--cluster-key`` or ``--insecure``."""
         workdir = Path(workdir)
         self.name = name
         self.socket = str(workdir / f"{name}.sock")
@@ -35,6 +38,8 @@ class LocalDaemon:
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._notify.bind(self._notify_path)
         self._notify.settimeout(READY_TIMEOUT_S)
+        if listen_host not in _LOOPBACK and not {"--cluster-key", "--insecure"} & set(extra):
+            extra = (*extra, "--cluster-key", workdir_key(workdir))
         full_env = {**os.environ, "NOTIFY_SOCKET": self._notify_path, **(env or {})}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -82,6 +87,17 @@ class LocalDaemon:
         with contextlib.suppress(OSError):
             os.rmdir(self._notify_dir)
         return code
+
+
+def workdir_key(workdir: Path) -> str:
+    """``workdir/cluster.key``, made by `commd keygen` the first time it is asked for."""
+    path = workdir / "cluster.key"
+    if not path.exists():
+        made = subprocess.run([sys.executable, "-m", "commd.cli", "keygen", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        if made.returncode != 0 and not path.exists():  # another daemon's start made it
+            raise RuntimeError(f"commd keygen failed: {made.stderr}")
+    return str(path)
 
 
 def commd_segments() -> set[str]:

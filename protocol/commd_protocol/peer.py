@@ -41,6 +41,9 @@ class PeerSetup(_Msg, tag="peer_setup"):
     nodes: int
     store_port: int  # TCPStore on the coordinator's host
     planner: str
+    # The job's keys in that store live under this random prefix: only the job's nodes learn
+    # it, over the authenticated peer channel ("": an older coordinator, "<job>/<generation>").
+    store_prefix: str = ""
 
 
 class PeerAbort(_Msg, tag="peer_abort"):

@@ -105,6 +105,7 @@ class DaemonStatus(_Status):
     listen: str | None = None
     jobs: list[JobStatus] = []
     coordinating: list[CoordinatedJob] = []
+    peer_handshakes_refused: int = 0  # peers without the cluster key, turned away
 
 
 def status_map(status: DaemonStatus) -> dict[str, Any]:
