@@ -12,7 +12,8 @@ import zmq.asyncio
 
 from commd.daemon.server import Daemon
 from commd.daemon.settings import Settings
-from commd_client.shm import GradientSegment
+from commd_client.host_buffer import HostBuffer
+from commd_protocol.handover import buffer_socket_path
 
 from daemons import DaemonProcess, commd_segments
 from inprocess import RawClient
@@ -90,14 +91,18 @@ async def connect(daemon: Daemon) -> AsyncIterator[Any]:
 
 
 @pytest.fixture
-def segments() -> Any:
-    made: list[GradientSegment] = []
+async def segments(daemon: Daemon) -> AsyncIterator[Any]:
+    """``await segments(nbytes)``: a host buffer handed over to the in-process daemon, as a
+    client does it (in a thread: the daemon answers on this loop); ``.token`` registers it."""
+    made: list[HostBuffer] = []
 
-    def make(nbytes: int) -> GradientSegment:
-        segment = GradientSegment(f"commd-test-{len(made)}-{os.getpid()}", nbytes)
-        made.append(segment)
-        return segment
+    async def make(nbytes: int) -> HostBuffer:
+        buffer = HostBuffer(f"commd-test-{len(made)}", nbytes)
+        made.append(buffer)
+        path = buffer_socket_path(daemon.settings.socket)
+        buffer.token = await asyncio.to_thread(buffer.hand_over, path, 10.0)  # type: ignore[attr-defined]
+        return buffer
 
     yield make
-    for segment in made:
-        segment.close()
+    for buffer in made:
+        buffer.close()

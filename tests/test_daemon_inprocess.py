@@ -70,25 +70,25 @@ async def test_register_errors_change_nothing(daemon: Daemon, connect: Any,
                                               segments: Any) -> None:
     client = connect()
     await client.ask(hello(coordinator=coordinator_of(daemon)))
-    small = segments(16)
+    small = await segments(16)
     base = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp"}
     reply = await client.ask({**base, "layers": [{"name": "w", "size": 8}],
-                              "shm_name": small.name})
+                              "buffer_token": small.token})
     assert reply["code"] == "invalid" and "need 32 bytes" in reply["message"]
     reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}],
-                              "shm_name": "commd-no-such-segment"})
+                              "buffer_token": "commd-no-such-segment"})
     assert reply["code"] == "invalid" and "commd-no-such-segment" in reply["message"]
     reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}], "dtype": "int8",
-                              "shm_name": small.name})
+                              "buffer_token": small.token})
     assert reply["code"] == "invalid" and "dtype" in reply["message"]
     reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}], "planner": "magic",
-                              "shm_name": small.name})
+                              "buffer_token": small.token})
     assert reply["code"] == "invalid" and "optimal" in reply["message"]
     reply = await client.ask({"type": "wait", "iteration": 0})
     assert reply["code"] == "out_of_order" and "wait before register" in reply["message"]
     # After all that, a correct register still works.
     reply = await client.ask({**base, "layers": [{"name": "w", "size": 4}],
-                              "shm_name": small.name})
+                              "buffer_token": small.token})
     assert reply["type"] == "registered" and reply["nodes"] == 1, reply
 
 
@@ -102,10 +102,10 @@ async def test_a_job_in_another_language_with_bad_readies(daemon: Daemon, connec
         welcome = await client.ask(hello(job="raw", rank=local, world=2, local=local,
                                          local_world=2, coordinator=coordinator_of(daemon)))
         assert welcome["type"] == "welcome"
-        segment = segments(4 * sum(sizes))
+        segment = await segments(4 * sum(sizes))
         buffers.append(np.frombuffer(segment.buf, dtype=np.float32, count=sum(sizes)))
         await client.send({"type": "register", "dtype": "float32", "op": "sum",
-                           "planner": "wfbp", "shm_name": segment.name,
+                           "planner": "wfbp", "buffer_token": segment.token,
                            "layers": [{"name": f"l{i}", "size": n} for i, n in enumerate(sizes)]})
     for client in ranks:
         reply = await client.receive()

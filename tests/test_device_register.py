@@ -65,7 +65,7 @@ async def test_bad_device_fields_are_named(daemon: Daemon, connect: Any) -> None
         ({"ipc_offset": -8}, "ipc_offset must be >= 0"),
         ({"device_bus_id": ""}, "needs device_bus_id"),
         ({"compression": "topk:0.01"}, "top-k compression needs host buffers"),
-        ({"device": "cpu"}, "a host buffer needs shm_name"),
+        ({"device": "cpu"}, "a host buffer needs buffer_token"),
         ({"ipc_handle": "not bytes"}, "$.ipc_handle"),
     ]
     for change, words in cases:
@@ -101,10 +101,10 @@ async def test_ready_to_launch_is_measured_from_sent_at(daemon: Daemon, connect:
                                                         segments: Any) -> None:
     client = connect()
     await client.ask(hello(coordinator=coordinator_of(daemon)))
-    segment = segments(16)
+    segment = await segments(16)
     reply = await client.ask({"type": "register", "dtype": "float32", "op": "sum",
                               "planner": "wfbp", "layers": [{"name": "w", "size": 4}],
-                              "shm_name": segment.name})
+                              "buffer_token": segment.token})
     assert reply["type"] == "registered" and reply["done_event"] == b"", reply
     buffer = np.frombuffer(segment.buf, dtype=np.float32, count=4)
     for iteration in range(3):

@@ -60,9 +60,9 @@ async def a_job_still_forms(daemon: Daemon, client: RawClient, segments: Any, jo
     """A one-rank job coordinated by this daemon: its join travels through the peer loop."""
     assert (await client.ask(hello(job=job, coordinator=coordinator_of(daemon))))["type"] == \
         "welcome"
-    segment = segments(16)
+    segment = await segments(16)
     reply = await client.ask({"type": "register", "dtype": "float32", "op": "sum",
-                              "planner": "wfbp", "shm_name": segment.name,
+                              "planner": "wfbp", "buffer_token": segment.token,
                               "layers": [{"name": "w", "size": 4}]})
     assert reply["type"] == "registered", reply
     await client.send({"type": "goodbye"})

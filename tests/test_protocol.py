@@ -274,9 +274,9 @@ HELLO = {
     "type": "hello", "protocol": 1, "job": "j", "rank": 0, "world_size": 1, "local_rank": 0,
     "local_world_size": 1, "coordinator": "h:1",
 }
-REGISTER = {
+REGISTER = {  # the required fields only (a host buffer's token is checked by the daemon)
     "type": "register", "layers": [{"name": "a", "size": 1}, {"name": "b", "size": 2}],
-    "dtype": "float32", "op": "sum", "shm_name": "commd-x",
+    "dtype": "float32", "op": "sum",
 }
 
 

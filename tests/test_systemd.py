@@ -74,6 +74,14 @@ def test_unit_hardening_leaves_gpus_and_shared_memory_reachable() -> None:
     assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families)
 
 
+def test_unit_grants_no_capability() -> None:
+    """Buffers come as file descriptors: the daemon needs no right over others' files."""
+    s = unit_settings(UNIT.read_text())
+    assert one(s, "Service.CapabilityBoundingSet") == ""
+    assert "Service.AmbientCapabilities" not in s
+    assert one(s, "Service.User") != "root" and one(s, "Service.NoNewPrivileges") == "yes"
+
+
 def test_example_config_matches_the_unit() -> None:
     config = tomllib.loads(CONFIG.read_text())
     assert set(config) == {"socket", "listen", "cluster_key", "backend", "timeout_s",

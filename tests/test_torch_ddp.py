@@ -270,25 +270,25 @@ _EXIT_WITHOUT_CLOSE = """
 import os, sys, weakref, torch
 from commd_client.torch import DistributedDataParallel
 class Anchor: pass
-anchor, segments = Anchor(), []
+anchor, buffers = Anchor(), []
 # At exit, finalizers run newest first: this older one runs after the wrapper's own.
-weakref.finalize(anchor, lambda: print("unlinked", not any(
-    os.path.exists(f"/dev/shm/{name}") for name in segments), flush=True))
+weakref.finalize(anchor, lambda: print("closed", all(
+    buffer._fd < 0 for buffer in buffers), flush=True))
 model = DistributedDataParallel(torch.nn.Linear(3, 2), job="ddp-atexit", rank=0, world_size=1,
                                 local_rank=0, local_world_size=1, coordinator=sys.argv[1],
                                 socket=sys.argv[2], timeout=20)
 model(torch.ones(4, 3)).sum().backward()
-segments.append(model._reducer._buckets[0].client._segment.name)
+buffers.append(model._reducer._buckets[0].client._host_buffer)
 print("grads", sum(1 for p in model.parameters() if p.grad is not None), flush=True)
 """
 
 
 @pytest.mark.timeout(30)
-def test_exit_without_close_unlinks_the_segment(nodes) -> None:
+def test_exit_without_close_releases_the_buffer(nodes) -> None:
     """The wrapper closes itself at interpreter exit, before the process is gone."""
     done = subprocess.run(
         [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, nodes[0].address, nodes[0].socket],
         capture_output=True, text=True, timeout=25,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["grads", "2", "unlinked", "True"], done.stdout
+    assert done.stdout.split() == ["grads", "2", "closed", "True"], done.stdout

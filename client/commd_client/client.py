@@ -27,6 +27,7 @@ from commd_protocol import (
     Welcome,
     error_from_reply,
 )
+from commd_protocol.handover import buffer_socket_path
 from commd_protocol.layout import backward_offsets
 
 from . import env
@@ -35,7 +36,7 @@ from .batching import ReadyBatcher
 from .connection import Connection
 from .cuda import DeviceBuffer, parse_device
 from .dtypes import numpy_dtype
-from .shm import GradientSegment, segment_name
+from .host_buffer import HostBuffer, buffer_name
 
 _HELLO_TIMEOUT_S = 10.0
 
@@ -68,7 +69,7 @@ class Client:
         self.plan_version = 0  # the merge plan the last iteration ran with
         self.groups: list[list[int]] = []
         self.nodes = 0
-        self._segment: GradientSegment | None = None
+        self._host_buffer: HostBuffer | None = None
         self._device: DeviceBuffer | None = None  # a device buffer instead of the segment
         self._sizes: list[int] = []
         self._marked: set[int] = set()
@@ -105,9 +106,10 @@ class Client:
         if not isinstance(reply, Welcome):
             raise CommdError(f"commd: expected a welcome, got {type(reply).__name__}")
         self.backend = reply.backend
+        self._buffer_socket = reply.buffer_socket or buffer_socket_path(self.socket)
 
     def close(self) -> None:
-        """Say goodbye, close the socket and unlink the shared buffer (idempotent)."""
+        """Say goodbye, close the socket and release the gradient buffer (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -115,8 +117,8 @@ class Client:
             self._connection.send(Goodbye())
         finally:
             self._connection.close()
-            if self._segment is not None:
-                self._segment.close()
+            if self._host_buffer is not None:
+                self._host_buffer.close()
             if self._device is not None:
                 self._device.close()
 
@@ -157,7 +159,7 @@ class Client:
         ``ready(..., stream=)`` and ``wait(stream=)`` order the work on CUDA streams, and
         ``device_pointer`` gives the raw pointer for other frameworks.
         """
-        if self._segment is not None or self._device is not None:
+        if self._host_buffer is not None or self._device is not None:
             raise CommdError("commd: register() was already called on this client")
         layers = check_layers(layers, dtype, op)
         index = None if device == "cpu" else parse_device(device)
@@ -168,10 +170,11 @@ class Client:
         flat: Any
         where: dict[str, Any]
         if device == "cpu":
-            self._segment = GradientSegment(segment_name(self.job, self.rank),
-                                            total * numpy_dtype(dtype).itemsize)
-            flat = np.frombuffer(self._segment.buf, dtype=numpy_dtype(dtype), count=total)
-            where = {"shm_name": self._segment.name}
+            self._host_buffer = HostBuffer(buffer_name(self.job, self.rank),
+                                       total * numpy_dtype(dtype).itemsize)
+            flat = np.frombuffer(self._host_buffer.buf, dtype=numpy_dtype(dtype), count=total)
+            token = self._host_buffer.hand_over(self._buffer_socket, min(self.timeout, 30.0))
+            where = {"buffer_token": token}
         else:
             self._device = DeviceBuffer(total, dtype, index)
             flat, where = self._device.flat, self._device.registration_fields()
@@ -278,7 +281,7 @@ class Client:
     def _check_usable(self, call: str) -> None:
         if self._failure is not None:
             raise self._failure
-        if self._segment is None and self._device is None:
+        if self._host_buffer is None and self._device is None:
             raise CommdError(f"commd: {call} before register()", ErrorCode.OUT_OF_ORDER)
 
     def _latch(self, reply: Error) -> CommdError:

@@ -99,7 +99,7 @@ class DeviceBuffer:
 
     def registration_fields(self) -> dict[str, Any]:
         """The fields of ``register`` that tell the daemon where this buffer is."""
-        return {"shm_name": "", "device": "cuda", "device_bus_id": self.bus_id,
+        return {"device": "cuda", "device_bus_id": self.bus_id,
                 "device_index": self.device_index, "ipc_handle": self.ipc_handle,
                 "ipc_offset": self.ipc_offset, "event_handle": self.event_handle}
 

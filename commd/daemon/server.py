@@ -24,6 +24,7 @@ import commd
 from commd.coordinator import Coordinator
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, serve
+from commd.daemon.handover import BufferSocket
 from commd.daemon.peer_links import PeerLinks
 from commd.daemon.peer_security import (
     ClusterKey,
@@ -53,6 +54,7 @@ from commd_protocol import (
     encode,
 )
 from commd_protocol.codec import peer_codec
+from commd_protocol.handover import buffer_socket_path
 from commd_protocol.status import DaemonStatus
 
 __all__ = ["Daemon", "StartupError"]
@@ -84,8 +86,9 @@ class Daemon:
         self._admission: ClusterOnly | None = None
         self._client_guard = Guard("client")
         self._peer_guard = Guard("peer")
+        self._buffers = BufferSocket(buffer_socket_path(settings.socket))
         self._sessions = ClientSessions(self.jobs, self._new_job, self._send_client,
-                                        self._welcome, self.status)
+                                        self._welcome, self.status, self._buffers)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -97,6 +100,7 @@ class Daemon:
         log.info("backend %s (%s)", self.backend, why)
         key = self._secure_peers()
         self._clients = bind_clients(self._context, self.settings.socket)
+        self._buffers.start()
         self._peers, self.peer_port = bind_peers(self._context, self.settings.listen_host,
                                                  self.settings.listen_port, key)
         loop = asyncio.get_running_loop()
@@ -154,6 +158,7 @@ class Daemon:
             job.close()
         self.jobs.clear()
         self._sessions.close()
+        self._buffers.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -209,7 +214,7 @@ class Daemon:
 
     def _welcome(self) -> Welcome:
         return Welcome(protocol=PROTOCOL_VERSION, version=commd.__version__,
-                       backend=self.backend)
+                       backend=self.backend, buffer_socket=self._buffers.path)
 
     def _new_job(self, hello: Hello) -> Job:
         return Job(hello, JobContext(

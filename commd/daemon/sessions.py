@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from commd.daemon.handover import BufferSocket
 from commd.job.job import Job
 from commd.job.state import JobError, LocalRank, SendClient
 from commd.job.validation import check_hello
@@ -50,8 +51,9 @@ class Session:
 class ClientSessions:
     def __init__(self, jobs: dict[str, Job], new_job: Callable[[Hello], Job],
                  send: SendClient, welcome: Callable[[], Welcome],
-                 status: Callable[[], DaemonStatus]) -> None:
+                 status: Callable[[], DaemonStatus], buffers: BufferSocket) -> None:
         self._jobs = jobs  # the daemon's job table, shared with the peer side
+        self._buffers = buffers  # host buffers handed over, by token
         self._new_job = new_job
         self._send = send
         self._welcome = welcome
@@ -93,7 +95,7 @@ class ClientSessions:
             raise JobError(f"{tag(message)} before hello", ErrorCode.OUT_OF_ORDER)
         job, member = session.job, session.member
         if isinstance(message, Register):
-            job.register(member, message)
+            self._register(identity, session, message)
         elif isinstance(message, Ready):
             if member.registration is None:
                 raise JobError("ready before register", ErrorCode.OUT_OF_ORDER)
@@ -107,6 +109,22 @@ class ClientSessions:
             job.wait(member, message.iteration)
         elif isinstance(message, Goodbye):
             self.depart(identity, lost=False)
+
+    def _register(self, identity: bytes, session: Session, message: Register) -> None:
+        handed = self._buffers.claim(message.buffer_token) if message.buffer_token else None
+        try:
+            session.job.register(session.member, message, handed.fd if handed else None)
+        except BaseException:
+            if handed is not None:  # refused: the rank may correct its register and retry
+                self._buffers.give_back(message.buffer_token, handed)
+            raise
+        if handed is not None:
+            os.close(handed.fd)  # mapped: the mapping keeps the memory
+        if handed is not None and handed.pid != session.member.pid:
+            # The kernel's word, not the hello's: watch the process that holds the buffer.
+            session.member.pid = handed.pid
+            self._unwatch(identity)
+            self._watch_pid(identity, handed.pid)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         if identity in self._sessions:
@@ -128,9 +146,7 @@ class ClientSessions:
     def depart(self, identity: bytes, *, lost: bool) -> None:
         """A client said goodbye (lost=False) or its process exited (lost=True)."""
         session = self._sessions.pop(identity, None)
-        fd = self._pidfds.pop(identity, None)
-        if fd is not None:
-            _unwatch_fd(fd)
+        self._unwatch(identity)
         if session is None:
             return
         job = session.job
@@ -154,6 +170,11 @@ class ClientSessions:
 
     def _exited(self, identity: bytes) -> None:
         self.depart(identity, lost=True)
+
+    def _unwatch(self, identity: bytes) -> None:
+        fd = self._pidfds.pop(identity, None)
+        if fd is not None:
+            _unwatch_fd(fd)
 
     def close(self) -> None:
         """Stop watching every client process."""

@@ -18,15 +18,20 @@ class AttachError(ValueError):
 
 
 def attach(ops: BufferOps | None, member: LocalRank, message: Register, total: int,
-           timeout_s: float) -> BufferOps:
-    """Map ``member``'s buffer of ``total`` elements; returns the job's buffer operations,
-    made for the first rank that registers. AttachError says why it cannot be mapped."""
+           timeout_s: float, host_fd: int | None) -> BufferOps:
+    """Map ``member``'s buffer of ``total`` elements (a host buffer from ``host_fd``, the
+    descriptor the rank handed over; the caller closes it); returns the job's buffer
+    operations, made for the first rank that registers. AttachError says why not."""
     if ops is not None:
         problem = same_device(ops, message)
         if problem:
             raise AttachError(f"rank {member.rank} registered {problem}")
     if message.device == "cpu":
-        member.segment, member.buffer = attach_host(message, total)
+        if host_fd is None:
+            raise AttachError(f"buffer token {message.buffer_token[:40]!r} was not handed over "
+                              "to this daemon's buffer socket (or too long ago): hand the "
+                              "buffer over again, then register")
+        member.segment, member.buffer = attach_host(host_fd, message, total)
     if ops is None:
         ops = new_ops(message, timeout_s)
     if message.device != "cpu":
@@ -39,7 +44,11 @@ def check_fields(message: Register) -> str:
     if message.device not in DEVICES:
         return f"unsupported device {message.device!r}; use one of {', '.join(DEVICES)}"
     if message.device == "cpu":
-        return "" if message.shm_name else "a host buffer needs shm_name"
+        if message.shm_name:
+            return ("shm_name is not accepted (protocol 2): hand the host buffer over as a file "
+                    "descriptor (see commd_protocol.handover) and register its buffer_token")
+        return "" if message.buffer_token else \
+            "a host buffer needs buffer_token: hand the buffer over on the buffer socket first"
     from commd.engines.cuda.memory import check_handles
 
     if message.compression not in ("", "none"):
@@ -74,18 +83,12 @@ def same_device(ops: BufferOps, message: Register) -> str:
     return ""
 
 
-def attach_host(message: Register, total: int) -> tuple[SharedSegment, Any]:
+def attach_host(fd: int, message: Register, total: int) -> tuple[SharedSegment, Any]:
     dtype = numpy_dtype(message.dtype)
     try:
-        segment = SharedSegment(message.shm_name)
+        segment = SharedSegment(fd, total * dtype.itemsize)
     except SegmentError as exc:
         raise AttachError(str(exc)) from None
-    if total * dtype.itemsize > segment.nbytes:
-        segment.detach()
-        raise AttachError(
-            f"layers need {total * dtype.itemsize} bytes but segment "
-            f"{message.shm_name!r} holds {segment.nbytes}"
-        )
     return segment, segment.array(dtype, total)
 
 

@@ -82,8 +82,9 @@ class Job:
         raise JobError(f"job {self.id!r} is already {self.state}; use a new job id for a new run",
                        ErrorCode.OUT_OF_ORDER)
 
-    def register(self, member: LocalRank, message: Register) -> None:
-        """Attach the rank's buffer; once every local rank is in, ask the coordinator to join."""
+    def register(self, member: LocalRank, message: Register, host_fd: int | None = None) -> None:
+        """Attach the rank's buffer (a host buffer from the descriptor it handed over, which
+        the caller closes); once every local rank is in, ask the coordinator to join."""
         if member.registration is not None:
             raise JobError("register sent twice", ErrorCode.OUT_OF_ORDER)
         if not message.planner:
@@ -92,7 +93,8 @@ class Job:
                                   several_nodes=self.world_size > self.local_world_size)
         total = sum(layer.size for layer in message.layers)
         try:
-            self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s)
+            self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s,
+                                      host_fd)
         except buffers.AttachError as exc:
             raise JobError(str(exc)) from None
         member.registration = message
@@ -251,7 +253,7 @@ class Job:
         return self.members.finished
 
     def close(self) -> None:
-        """Stop everything this job started and unlink its segments (idempotent)."""
+        """Stop everything this job started and unmap its buffers (idempotent)."""
         if self._closed:
             return
         self._closed = True

@@ -1,57 +1,41 @@
-"""Attaching to the shared-memory gradient buffers that training processes create."""
+"""A rank's host buffer as the daemon sees it: the rank's sealed memfd, mapped shared.
+
+The descriptor came over the buffer socket (``commd.daemon.handover``), never a name: the
+daemon maps exactly the memory the rank gave it. The memfd is sealed against shrinking, so no
+page can vanish under the mapping (no SIGBUS); the memory is freed once the rank and the daemon
+have both unmapped it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
-import re
 
 import numpy as np
 
-_VALID_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-SHM_DIR = "/dev/shm"
-
 
 class SegmentError(ValueError):
-    """A segment that cannot be attached; the message names it and says why."""
+    """A buffer that cannot be mapped; the message says why."""
 
 
 class SharedSegment:
-    """A mapping of a client's POSIX segment. The daemon unlinks it on cleanup as well, so a
-    client that dies leaves nothing behind in /dev/shm."""
-
-    def __init__(self, name: str) -> None:
-        if not _VALID_NAME.match(name):
-            raise SegmentError(f"commd: invalid shared-memory segment name {name!r}")
-        self.name = name
-        path = os.path.join(SHM_DIR, name)
-        # Not multiprocessing.shared_memory: its resource tracker would unlink the segment
-        # when the daemon exits, and 3.11 has no track=False.
+    def __init__(self, fd: int, needed: int) -> None:
+        """Map ``fd`` (not closed here) if it holds at least ``needed`` bytes."""
+        size = os.fstat(fd).st_size
+        if size < needed:
+            raise SegmentError(f"commd: layers need {needed} bytes but the buffer holds {size}")
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise SegmentError(
-                f"commd: cannot open shared-memory segment {name!r}: {exc.strerror}"
-            ) from None
-        try:
-            self.nbytes = os.fstat(fd).st_size
-            if self.nbytes == 0:
-                raise SegmentError(f"commd: shared-memory segment {name!r} is empty")
-            self._map = mmap.mmap(fd, self.nbytes)
-        finally:
-            os.close(fd)
+            self._map = mmap.mmap(fd, size)
+        except (OSError, ValueError) as exc:  # e.g. sealed against writing
+            raise SegmentError(f"commd: cannot map the buffer for reading and writing: {exc}") \
+                from None
+        self.nbytes = size
 
     def array(self, dtype: np.dtype, count: int) -> np.ndarray:
         return np.frombuffer(self._map, dtype=dtype, count=count)
 
-    def detach(self) -> None:
-        """Drop the mapping but leave the segment to its owner (a refused register)."""
+    def close(self) -> None:
+        """Drop the mapping: the job is over (the rank's own mapping is not touched)."""
         with contextlib.suppress(BufferError):  # views still in use keep it alive
             self._map.close()
-
-    def close(self) -> None:
-        """Unlink the name and drop the mapping: the job is over."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        self.detach()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: host buffers are handed over as file descriptors, never named
 
 # Dtypes the daemon reduces; bfloat16 travels as raw 16-bit words (numpy has no bfloat16).
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -46,8 +46,10 @@ class Register(_Msg, tag="register"):
     layers: list[Layer]  # forward order
     dtype: str
     op: str
-    shm_name: str  # POSIX shared-memory segment holding the flat buffer (backward order); ""
-    # for a device buffer
+    # A host buffer (device == "cpu"): the token under which the rank handed the flat buffer
+    # (backward order, a sealed memfd) to the daemon's buffer socket just before (handover.py).
+    buffer_token: str = ""
+    shm_name: str = ""  # protocol 1 named a /dev/shm file here: refused, see handover.py
     planner: str = ""  # "" = the daemon's default (optimal unless configured)
     compression: str = "none"
     profile: bool = True  # False: no network probe, no profiling rounds (short helper jobs)
@@ -89,6 +91,7 @@ class Welcome(_Msg, tag="welcome"):
     protocol: int
     version: str
     backend: str
+    buffer_socket: str = ""  # where host buffers are handed over (AF_UNIX, SOCK_SEQPACKET)
 
 
 class Registered(_Msg, tag="registered"):
