@@ -57,6 +57,8 @@ LAYERS: dict[str, tuple[Any, str, str, tuple[Any, Any, Any]]] = {
     "backend": ("nccl", "gloo", "nccl", ("nccl", "gloo", "nccl")),
     "advertise": ("10.1.0.1", "10.1.0.2", "10.1.0.3", ("10.1.0.1", "10.1.0.2", "10.1.0.3")),
     "timeout_s": (5, "6.5", "7.25", (5.0, 6.5, 7.25)),
+    "max_layers": (100, "200", "300", (100, 200, 300)),
+    "max_job_bytes": (1 << 20, "2097152", "3145728", (1 << 20, 2 << 20, 3 << 20)),
     "planner": ("mgwfbp", "wfbp", "horovod", ("mgwfbp", "wfbp", "horovod")),
     "log_level": ("debug", "warning", "error", ("debug", "warning", "error")),
 }
@@ -323,3 +325,15 @@ def test_insecure_takes_only_a_yes_or_no(where: str, value: Any, tmp_path: Path)
 def test_insecure_alone_on_the_command_line_means_yes() -> None:
     assert load(parse("--insecure"), {}).insecure is True
     assert load(parse("--insecure", "off"), {"COMMD_INSECURE": "1"}).insecure is False
+
+
+@pytest.mark.parametrize(("where", "value"), [("env", "many"), ("env", "1.5"), ("file", 1.5),
+                                              ("file", True), ("cli", "0"), ("env", "-3")])
+def test_limits_take_only_positive_integers(where: str, value: Any, tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"(?i)^commd: .*max_layers"):
+        if where == "env":
+            load(parse(), {"COMMD_MAX_LAYERS": value})
+        elif where == "file":
+            load(parse("--config", write_config(tmp_path / "c.toml", {"max_layers": value})), {})
+        else:
+            load(parse("--max-layers", value), {})

@@ -163,21 +163,8 @@ class Client:
             raise CommdError("commd: register() was already called on this client")
         layers = check_layers(layers, dtype, op)
         index = None if device == "cpu" else parse_device(device)
-        total = sum(size for _, size in layers)
-        if device == "cpu":
-            check_fits(total * numpy_dtype(dtype).itemsize)
         self._sizes = [size for _, size in layers]
-        flat: Any
-        where: dict[str, Any]
-        if device == "cpu":
-            self._host_buffer = HostBuffer(buffer_name(self.job, self.rank),
-                                       total * numpy_dtype(dtype).itemsize)
-            flat = np.frombuffer(self._host_buffer.buf, dtype=numpy_dtype(dtype), count=total)
-            token = self._host_buffer.hand_over(self._buffer_socket, min(self.timeout, 30.0))
-            where = {"buffer_token": token}
-        else:
-            self._device = DeviceBuffer(total, dtype, index)
-            flat, where = self._device.flat, self._device.registration_fields()
+        flat, where = self._allocate(sum(self._sizes), dtype, device == "cpu", index)
         offsets = backward_offsets(self._sizes)
         views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]
         self._connection.send(
@@ -197,6 +184,19 @@ class Client:
         self._batch.announce(reply.plan, reply.groups)
         self.flat = flat
         return views
+
+    def _allocate(self, total: int, dtype: str, host: bool,
+                  index: int | None) -> tuple[Any, dict[str, Any]]:
+        """The flat buffer, and the register fields that tell the daemon where it is."""
+        if not host:
+            self._device = DeviceBuffer(total, dtype, index)
+            return self._device.flat, self._device.registration_fields()
+        element = numpy_dtype(dtype)
+        check_fits(total * element.itemsize)
+        self._host_buffer = HostBuffer(buffer_name(self.job, self.rank), total * element.itemsize)
+        token = self._host_buffer.hand_over(self._buffer_socket, min(self.timeout, 30.0))
+        flat = np.frombuffer(self._host_buffer.buf, dtype=element, count=total)
+        return flat, {"buffer_token": token}
 
     def _registered(self) -> Registered:
         """The daemon's answer to register, once the whole job has formed."""

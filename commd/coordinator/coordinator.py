@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,10 +44,17 @@ class Formation:
     formed: bool = False
     replanner: Replanner | None = None
     reports: dict[int, dict[bytes, PeerProfile]] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)  # forming has a deadline
+
+
+MAX_FORMING = 256  # jobs forming on this coordinator at a time
+MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
 
 
 class Coordinator:
-    def __init__(self, send: SendNode, store_port: Callable[[str], int]) -> None:
+    def __init__(self, send: SendNode, store_port: Callable[[str], int],
+                 form_timeout_s: float = 300.0) -> None:
+        self._form_timeout_s = form_timeout_s
         self._send = send
         self._store_port = store_port
         self._jobs: dict[str, Formation] = {}
@@ -74,6 +82,10 @@ class Coordinator:
                          f"{len(formation.joins)} node(s); use a new job id for a new run")
             return
         if formation is None:
+            limit = self._forming_limit(node)
+            if limit:
+                self._refuse(node, join.job, limit, ErrorCode.LIMIT)
+                return
             formation = self._jobs[join.job] = Formation(join.job, join.world_size)
         formation.joins[node] = join
         problem = self._check(formation)
@@ -179,11 +191,32 @@ class Coordinator:
             if other != node:
                 self._send(other, abort)
 
-    def _refuse(self, node: bytes, job: str, reason: str) -> None:
+    def _refuse(self, node: bytes, job: str, reason: str,
+                code: ErrorCode = ErrorCode.INVALID) -> None:
         """Fail one node's part of a job it joined wrongly; other nodes are not touched."""
         text = prefixed(reason, f"job {job!r}: the coordinator refused this node's join: ")
         log.warning("%s", text)
-        self._send(node, PeerAbort(job=job, code=ErrorCode.INVALID, message=text))
+        self._send(node, PeerAbort(job=job, code=code, message=text))
+
+    def _forming_limit(self, node: bytes) -> str:
+        """'' when a new job may start forming here for ``node``, else which limit it hits."""
+        forming = [f for f in self._jobs.values() if not f.formed]
+        if len(forming) >= MAX_FORMING:
+            return f"{MAX_FORMING} jobs are forming on this coordinator already"
+        if sum(node in f.joins for f in forming) >= MAX_FORMING_PER_NODE:
+            return f"this node has {MAX_FORMING_PER_NODE} jobs forming here already"
+        return ""
+
+    def expire(self, now: float) -> None:
+        """Abort the jobs that did not form within the deadline, naming who joined."""
+        for formation in list(self._jobs.values()):
+            if formation.formed or now - formation.started <= self._form_timeout_s:
+                continue
+            joined = sorted(r for join in formation.joins.values() for r in join.ranks)
+            self._abort_all(formation, ErrorCode.TIMEOUT, (
+                f"the job did not form within {self._form_timeout_s:g}s: ranks {joined[:20]} "
+                f"of {formation.world_size} joined; start the missing ones with the same job id "
+                "and coordinator"))
 
     def _on_leave(self, node: bytes, leave: PeerLeave) -> None:
         formation = self._jobs.get(leave.job)

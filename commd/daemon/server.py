@@ -81,7 +81,8 @@ class Daemon:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="commd-memory")
         self.peer_port = 0
         self._links = PeerLinks(self._context, self._on_coordinator_message)
-        self._coordinator = Coordinator(self._send_peer_reply, self._store_port)
+        self._coordinator = Coordinator(self._send_peer_reply, self._store_port,
+                                        settings.timeout_s)
         self._authenticator: Any = None  # the ZAP handler, with a cluster key
         self._admission: ClusterOnly | None = None
         self._client_guard = Guard("client")
@@ -111,7 +112,8 @@ class Daemon:
             loop.create_task(self._serve_peers(), name="commd-peers"),
         ]
         self._tasks = [*self._loops, loop.create_task(
-            sdnotify.watchdog_loop(alive=self._loops_alive), name="commd-watchdog")]
+            sdnotify.watchdog_loop(alive=self._loops_alive), name="commd-watchdog"),
+            loop.create_task(self._reap_forever(), name="commd-reaper")]
         peers = f"{self.settings.listen_host}:{self.peer_port}"
         sdnotify.ready(f"serving {self.settings.socket}, peers on {peers}")
         log.info("serving clients on %s, peers on port %d", self.settings.socket, self.peer_port)
@@ -139,6 +141,16 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _reap_forever(self) -> None:
+        """Deadlines: jobs that do not form, sessions that never register, failed jobs."""
+        guard = Guard("reaper")
+        period = min(1.0, self.settings.timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            guard.call("the client side", self._sessions.reap, now)
+            guard.call("the coordinator", self._coordinator.expire, now)
 
     def _loops_alive(self) -> bool:
         """Both message loops still run (a loop that ended means no more watchdog pings)."""
@@ -226,6 +238,8 @@ class Daemon:
             send_peer=self._links.send,
             validate_planner=get_planner,
             default_planner=self.settings.planner,
+            max_layers=self.settings.max_layers,
+            max_job_bytes=self.settings.max_job_bytes,
         ))
 
     def _engine_for(self, kind: str) -> str:

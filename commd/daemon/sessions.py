@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import msgspec
 
 from commd.daemon.handover import BufferSocket
+from commd.job.deadlines import failed_long_ago, formation_overdue
 from commd.job.job import Job
-from commd.job.state import JobError, LocalRank, SendClient
+from commd.job.state import JobError, JobState, LocalRank, SendClient
 from commd.job.validation import check_hello
 from commd_protocol import (
     ClientMessage,
@@ -40,6 +41,9 @@ from commd_protocol.errors import prefixed
 from commd_protocol.status import DaemonStatus, status_map
 
 log = logging.getLogger("commd.server")
+
+MAX_SESSIONS = 4096  # connections that said hello
+MAX_JOBS = 1024  # jobs on this node, in any state
 
 
 @dataclass
@@ -130,6 +134,12 @@ class ClientSessions:
         if identity in self._sessions:
             raise JobError("hello sent twice on one connection", ErrorCode.OUT_OF_ORDER)
         check_hello(hello)
+        if len(self._sessions) >= MAX_SESSIONS:
+            raise JobError(f"this daemon serves {MAX_SESSIONS} ranks already; close some",
+                           ErrorCode.LIMIT)
+        if hello.job not in self._jobs and len(self._jobs) >= MAX_JOBS:
+            raise JobError(f"this daemon holds {MAX_JOBS} jobs already; finish some first",
+                           ErrorCode.LIMIT)
         job = self._jobs.get(hello.job)
         if job is None:
             job = self._jobs[hello.job] = self._new_job(hello)
@@ -162,14 +172,31 @@ class ClientSessions:
             return
         try:
             fd = os.pidfd_open(pid)
-        except OSError as exc:  # another pid namespace; the job then relies on timeouts
-            log.info("cannot watch client pid %d (%s)", pid, exc.strerror)
+        except (OSError, OverflowError) as exc:  # another pid namespace, or no pid at all:
+            log.info("cannot watch client pid %d (%s)", pid, exc)  # deadlines still apply
             return
         self._pidfds[identity] = fd
         asyncio.get_running_loop().add_reader(fd, self._exited, identity)
 
     def _exited(self, identity: bytes) -> None:
         self.depart(identity, lost=True)
+
+    def reap(self, now: float) -> None:
+        """Fail the jobs that did not form in time, forget the sessions of failed jobs that
+        never registered, and forget failed jobs once their ranks have had time to see it."""
+        for job in list(self._jobs.values()):
+            overdue = formation_overdue(job, now)
+            if overdue:
+                job.fail(ErrorCode.TIMEOUT, overdue)
+            if job.state is not JobState.FAILED:
+                continue
+            forget_all = failed_long_ago(job, now)
+            for identity, session in list(self._sessions.items()):
+                if session.job is job and (forget_all or session.member.registration is None):
+                    self.depart(identity, lost=False)
+            if forget_all and self._jobs.get(job.id) is job:  # no session left to end it
+                job.close()
+                del self._jobs[job.id]
 
     def _unwatch(self, identity: bytes) -> None:
         fd = self._pidfds.pop(identity, None)

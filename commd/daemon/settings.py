@@ -28,6 +28,10 @@ class SettingsError(ValueError):
     """A bad option value, naming where it came from."""
 
 
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A settings field: its default, its help line and its valid values, said once."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
@@ -46,7 +50,11 @@ class Settings:
                            BACKENDS)
     advertise: str = _option("", "address peers reach this node's engine at (default: the "
                              "local address that routes to the coordinator)")
-    timeout_s: float = _option(300.0, "engine set-up and collective timeout in seconds")
+    timeout_s: float = _option(300.0, "engine set-up and collective timeout in seconds; also "
+                               "how long a job may take to form before it fails")
+    max_layers: int = _option(65536, "layers one job may register")
+    max_job_bytes: int = _option(_memory_bytes() // 2, "bytes of gradients one job may "
+                                 "register on this node (default: half of its memory)")
     planner: str = _option("optimal", "default merge planner for jobs that do not name one")
     log_level: str = _option("info", "log level", LOG_LEVELS)
 
@@ -84,7 +92,7 @@ class Option:
     choices: tuple[str, ...] | None = None
 
 
-_TYPES = {"str": str, "float": float, "bool": bool}  # annotations, as strings (postponed)
+_TYPES = {"str": str, "float": float, "bool": bool, "int": int}  # annotations, as strings
 
 # Every option, derived from the fields of Settings: flags, env names and TOML keys come from it.
 OPTIONS: tuple[Option, ...] = tuple(
@@ -160,9 +168,11 @@ def _from_file(path: str) -> dict[str, Any]:
             )
         if (option.type is str and not isinstance(raw, str)) or (option.type is float and (
             isinstance(raw, bool) or not isinstance(raw, int | float)
-        )) or (option.type is bool and not isinstance(raw, bool)):
+        )) or (option.type is bool and not isinstance(raw, bool)) or (
+            option.type is int and (isinstance(raw, bool) or not isinstance(raw, int))
+        ):
             raise SettingsError(
-                f"commd: {key} in {path} must be a {option.type.__name__}, got {raw!r}"
+                f"commd: {key} in {path} must be {_kind(option)}, got {raw!r}"
             )
         values[option.name] = _convert(option, raw, f"{key} in {path}")
     return values
@@ -185,7 +195,7 @@ def _convert(option: Option, raw: Any, where: str) -> Any:
         value = _boolean(raw) if option.type is bool else option.type(raw)
     except (TypeError, ValueError):
         raise SettingsError(
-            f"commd: {where} must be a {option.type.__name__}, got {raw!r}"
+            f"commd: {where} must be {_kind(option)}, got {raw!r}"
         ) from None
     if option.choices and value not in option.choices:
         raise SettingsError(f"commd: {where} must be one of {', '.join(option.choices)}")
@@ -196,6 +206,9 @@ def _validate(settings: Settings) -> None:
     split_host_port(settings.peer_listen, "listen")
     if not math.isfinite(settings.timeout_s) or settings.timeout_s <= 0:
         raise SettingsError(f"commd: timeout_s must be positive, got {settings.timeout_s}")
+    for name in ("max_layers", "max_job_bytes"):
+        if getattr(settings, name) < 1:
+            raise SettingsError(f"commd: {name} must be at least 1, got {getattr(settings, name)}")
     from commd.plan import get_planner  # pure and light; validates the planner name
 
     try:
@@ -209,6 +222,11 @@ def _validate(settings: Settings) -> None:
 def log_once(settings: Settings, logger: logging.Logger) -> None:
     fields = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(settings).items())
     logger.info("settings: %s", fields)
+
+
+def _kind(option: Option) -> str:
+    name = option.type.__name__
+    return f"an {name}" if name == "int" else f"a {name}"
 
 
 def _loopback(host: str) -> bool:

@@ -10,6 +10,7 @@ never touches another job's state, so one daemon serves many jobs in isolation.
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -55,6 +56,8 @@ class Job:
         self.ops: BufferOps | None = None  # how the data plane touches this job's buffers
         self.reporter: Reporter | None = None
         self.last_plan: PeerPlan | None = None
+        self.started = time.monotonic()  # the first hello: forming has a deadline (deadlines)
+        self.failed_at = 0.0
         self._closed = False
 
     @property
@@ -217,7 +220,7 @@ class Job:
         if self.state in (JobState.FAILED, JobState.CLOSED):
             return
         previous = self.state
-        self.state = JobState.FAILED
+        self.state, self.failed_at = JobState.FAILED, time.monotonic()
         text = prefixed(message, f"job {self.id!r}: ")
         self.failure = Error(code=code, message=text, fatal=True)
         log.error("%s", text)

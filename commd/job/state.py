@@ -55,3 +55,5 @@ class JobContext:
     send_peer: SendPeer
     validate_planner: Callable[[str], object]  # ValueError names the valid planners
     default_planner: str
+    max_layers: int = 65536  # per job
+    max_job_bytes: int = 1 << 40  # gradient bytes per job on this node

@@ -17,6 +17,7 @@ from commd.plan import validate_plan
 from commd_protocol import PROTOCOL_VERSION, ErrorCode, Hello, PeerPlan, PeerSetup, Register
 from commd_protocol.address import split_host_port
 from commd_protocol.checks import job_id_problem, layers_problem, layout_problem
+from commd_protocol.dtypes import itemsize
 
 
 def check_hello(hello: Hello) -> None:
@@ -57,6 +58,7 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
                or layers_problem(message.layers))
     if problem:
         raise JobError(problem)
+    check_limits(message, context)
     try:
         spec = parse_compression(message.compression)
     except ValueError as exc:
@@ -69,6 +71,18 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
         context.validate_planner(message.planner)
     except ValueError as exc:
         raise JobError(str(exc)) from None
+
+
+def check_limits(message: Register, context: JobContext) -> None:
+    """What one job may make this daemon hold: layers and bytes (settings max_layers and
+    max_job_bytes); JobError with code LIMIT."""
+    if len(message.layers) > context.max_layers:
+        raise JobError(f"{len(message.layers)} layers is over this daemon's limit of "
+                       f"{context.max_layers} (max_layers)", ErrorCode.LIMIT)
+    nbytes = sum(layer.size for layer in message.layers) * itemsize(message.dtype)
+    if nbytes > context.max_job_bytes:
+        raise JobError(f"the layers need {nbytes} bytes, over this daemon's limit of "
+                       f"{context.max_job_bytes} bytes per job (max_job_bytes)", ErrorCode.LIMIT)
 
 
 def setup_problem(setup: PeerSetup) -> str:

@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     ENGINE = "engine"  # the collective engine failed
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"  # the daemon is stopping
+    LIMIT = "limit"  # over a limit of the daemon: jobs, connections, layers, bytes
 
 
 PREFIX = "commd: "
