@@ -89,7 +89,8 @@ class Daemon:
         self._peer_guard = Guard("peer")
         self._buffers = BufferSocket(buffer_socket_path(settings.socket))
         self._sessions = ClientSessions(self.jobs, self._new_job, self._send_client,
-                                        self._welcome, self.status, self._buffers)
+                                        self._welcome, self.status, self._buffers,
+                                        self._client_guard)
 
     # --- lifecycle -------------------------------------------------------------------------------
 

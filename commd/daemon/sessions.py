@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from commd.daemon.guard import Guard
 from commd.daemon.handover import BufferSocket
 from commd.job.deadlines import failed_long_ago, formation_overdue
 from commd.job.job import Job
@@ -55,9 +56,11 @@ class Session:
 class ClientSessions:
     def __init__(self, jobs: dict[str, Job], new_job: Callable[[Hello], Job],
                  send: SendClient, welcome: Callable[[], Welcome],
-                 status: Callable[[], DaemonStatus], buffers: BufferSocket) -> None:
+                 status: Callable[[], DaemonStatus], buffers: BufferSocket,
+                 guard: Guard) -> None:
         self._jobs = jobs  # the daemon's job table, shared with the peer side
         self._buffers = buffers  # host buffers handed over, by token
+        self._guard = guard  # the client loop's: counts what went wrong
         self._new_job = new_job
         self._send = send
         self._welcome = welcome
@@ -82,8 +85,8 @@ class ClientSessions:
             self._dispatch(identity, message)
         except JobError as exc:
             self._send(identity, Error(code=exc.code, message=str(exc), ref=tag(message)))
-        except Exception:
-            log.exception("internal error handling %s", tag(message))
+        except Exception as exc:  # a bug: logged (a traceback once per kind), then answered
+            self._guard.failed(exc, f"handling {tag(message)}")
             self._send(identity, error(ErrorCode.INVALID, "internal error; see the daemon's log",
                                        tag(message)))
 
