@@ -8,6 +8,7 @@ that rank's stamp (CLOCK_MONOTONIC, taken by the client when the gradient was fi
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 
@@ -37,6 +38,7 @@ class Readiness:
         when each layer became ready, on the same clock (empty: now)."""
         if stamps and len(stamps) != len(layers):
             raise ReadyError(f"{len(stamps)} stamps for {len(layers)} layers")
+        _check_times(sent_at, stamps)
         self.notifications += 1
         row = self._marked[local_index]
         if len(layers) == 1:  # one ready per layer, no numpy fancy indexing
@@ -93,6 +95,22 @@ class Readiness:
         self._count[:] = 0
         self._ready_at[:] = 0.0
         return ready_at
+
+
+# A client stamps with the same CLOCK_MONOTONIC as the daemon, just before sending: a stamp
+# in the future (past this slack) or not a number would poison the node's profile.
+CLOCK_SLACK_S = 1.0
+
+
+def _check_times(sent_at: float, stamps: Sequence[float] | None) -> None:
+    latest = time.monotonic() + CLOCK_SLACK_S
+    if not (math.isfinite(sent_at) and 0.0 <= sent_at <= latest):
+        raise ReadyError(f"sent_at {sent_at!r} is not a CLOCK_MONOTONIC time of this host "
+                         "(0: not given)")
+    for stamp in stamps or ():
+        if not (math.isfinite(stamp) and 0.0 <= stamp <= latest):
+            raise ReadyError(f"stamp {stamp!r} is not a CLOCK_MONOTONIC time of this host "
+                             "up to now")
 
 
 def _twice(iteration: int, layers: list[int]) -> str:
