@@ -13,10 +13,9 @@ import zmq.asyncio
 from commd.daemon.server import Daemon
 from commd.daemon.settings import Settings
 from commd_client.host_buffer import HostBuffer
-from commd_protocol.handover import buffer_socket_path
 
 from daemons import DaemonProcess, commd_segments
-from inprocess import RawClient
+from inprocess import RawClient, hand_over
 
 
 def mapped_segments() -> set[str]:
@@ -61,9 +60,16 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
-    settings = Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0", backend="gloo",
-                        timeout_s=20)
+def daemon_settings() -> dict[str, Any]:
+    """What a test module changes in the in-process daemon's settings (override this)."""
+    return {}
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path, daemon_settings: dict[str, Any]) -> AsyncIterator[Daemon]:
+    """A daemon in this process, on a real ipc socket and a real peer port."""
+    settings = Settings(**{"socket": str(tmp_path / "d.sock"), "listen": "127.0.0.1:0",
+                           "backend": "gloo", "timeout_s": 20, **daemon_settings})
     instance = Daemon(settings)
     task = asyncio.create_task(instance.run())
     while instance.peer_port == 0 or not os.path.exists(settings.socket):
@@ -99,8 +105,7 @@ async def segments(daemon: Daemon) -> AsyncIterator[Any]:
     async def make(nbytes: int) -> HostBuffer:
         buffer = HostBuffer(f"commd-test-{len(made)}", nbytes)
         made.append(buffer)
-        path = buffer_socket_path(daemon.settings.socket)
-        buffer.token = await asyncio.to_thread(buffer.hand_over, path, 10.0)  # type: ignore[attr-defined]
+        buffer.token = await hand_over(daemon, buffer)  # type: ignore[attr-defined]
         return buffer
 
     yield make

@@ -11,7 +11,9 @@ import zmq
 import zmq.asyncio
 
 from commd.daemon.server import Daemon
+from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
+from commd_protocol.handover import buffer_socket_path
 
 
 class RawClient:
@@ -47,3 +49,21 @@ def coordinator_of(daemon: Daemon) -> str:
 async def still_serving(client: RawClient) -> None:
     reply = await client.ask({"type": "status"})
     assert reply["type"] == "status_reply" and reply["status"]["backend"] == "gloo"
+
+
+async def hand_over(daemon: Daemon, buffer: HostBuffer) -> str:
+    """``buffer`` handed to the in-process daemon, as a client does it; its token. In a thread:
+    the daemon answers on this test's loop."""
+    path = buffer_socket_path(daemon.settings.socket)
+    return await asyncio.to_thread(buffer.hand_over, path, 10.0)
+
+
+async def register_job(daemon: Daemon, client: RawClient, buffer: HostBuffer, job: str,
+                       layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A one-rank job coordinated by ``daemon`` (its join crosses the peer loop): hello, the
+    buffer handed over, register. The reply to register."""
+    welcome = await client.ask(hello(job=job, coordinator=coordinator_of(daemon)))
+    assert welcome["type"] == "welcome", welcome
+    token = await hand_over(daemon, buffer)
+    return await client.ask({"type": "register", "dtype": "float32", "op": "sum",
+                             "planner": "wfbp", "buffer_token": token, "layers": layers})

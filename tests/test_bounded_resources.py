@@ -5,9 +5,7 @@ bytes per job, the size of a peer frame."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -18,7 +16,6 @@ import zmq.asyncio
 from commd.coordinator import coordinator as coordinator_module
 from commd.daemon import sessions as sessions_module
 from commd.daemon.server import Daemon
-from commd.daemon.settings import Settings
 from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import RawClient, coordinator_of, hello, still_serving
@@ -29,17 +26,9 @@ DEADLINE_S = 1.0
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+def daemon_settings() -> dict[str, Any]:
     """The daemon of this module: every deadline is DEADLINE_S, small limits per job."""
-    settings = Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0", backend="gloo",
-                        timeout_s=DEADLINE_S, max_layers=3, max_job_bytes=64)
-    instance = Daemon(settings)
-    task = asyncio.create_task(instance.run())
-    while instance.peer_port == 0 or not os.path.exists(settings.socket):
-        await asyncio.sleep(0.01)  # polling a condition, bounded by the test timeout
-    yield instance
-    instance.stop()
-    await asyncio.wait_for(task, 20)
+    return {"timeout_s": DEADLINE_S, "max_layers": 3, "max_job_bytes": 64}
 
 
 async def until(condition: Any) -> None:

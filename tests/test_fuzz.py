@@ -65,10 +65,9 @@ from commd_protocol import (
     Welcome,
 )
 from commd_protocol.codec import client_codec, daemon_codec, peer_codec
-from commd_protocol.handover import buffer_socket_path
 from commd_protocol.messages import Registered
 
-from inprocess import RawClient, coordinator_of, hello
+from inprocess import RawClient, hello, register_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -364,13 +363,7 @@ async def a_job_forms(daemon: Daemon, context: zmq.asyncio.Context, job: str) ->
     client = RawClient(context, daemon.settings.socket)
     buffer = HostBuffer(f"commd-fuzz-{job}", 16)
     try:
-        assert (await client.ask(hello(job=job, coordinator=coordinator_of(daemon))))["type"] \
-            == "welcome"
-        token = await asyncio.to_thread(
-            buffer.hand_over, buffer_socket_path(daemon.settings.socket), 10.0)
-        reply = await client.ask({"type": "register", "dtype": "float32", "op": "sum",
-                                  "planner": "wfbp", "buffer_token": token,
-                                  "layers": [{"name": "w", "size": 4}]})
+        reply = await register_job(daemon, client, buffer, job, [{"name": "w", "size": 4}])
         assert reply["type"] == "registered", reply
         await client.send({"type": "goodbye"})
         await status_still_answered(client)  # the goodbye is handled
@@ -467,13 +460,8 @@ async def test_frames_into_a_running_job_get_typed_replies(
     client = RawClient(zmq_context, daemon.settings.socket)
     buffer = HostBuffer(f"commd-fuzz-{job}", 4 * 9)
     try:
-        assert (await client.ask(hello(job=job, coordinator=coordinator_of(daemon))))["type"] \
-            == "welcome"
-        token = await asyncio.to_thread(
-            buffer.hand_over, buffer_socket_path(daemon.settings.socket), 10.0)
-        reply = await client.ask({"type": "register", "dtype": "float32", "op": "sum",
-                                  "planner": "wfbp", "buffer_token": token,
-                                  "layers": [{"name": f"l{i}", "size": 3} for i in range(3)]})
+        reply = await register_job(daemon, client, buffer, job,
+                                   [{"name": f"l{i}", "size": 3} for i in range(3)])
         assert reply["type"] == "registered", reply
         for frame in frames:
             await client.send(frame)
@@ -579,13 +567,8 @@ async def test_odd_ready_stamps_are_refused_or_harmless(
     buffer = HostBuffer("commd-fuzz-stamps", 4 * 3)
     job = f"stamps-{stamps}"
     try:
-        assert (await client.ask(hello(job=job, coordinator=coordinator_of(daemon))))[
-            "type"] == "welcome"
-        token = await asyncio.to_thread(
-            buffer.hand_over, buffer_socket_path(daemon.settings.socket), 10.0)
-        reply = await client.ask({"type": "register", "dtype": "float32", "op": "sum",
-                                  "planner": "wfbp", "buffer_token": token,
-                                  "layers": [{"name": f"l{i}", "size": 1} for i in range(3)]})
+        reply = await register_job(daemon, client, buffer, job,
+                                   [{"name": f"l{i}", "size": 1} for i in range(3)])
         assert reply["type"] == "registered", reply
         odd = bytes.fromhex(READY_WITH_STAMPS + ODD_STAMPS[stamps])
         for iteration in range(2 * 10 + 3):  # past two report rounds (REPORT_EVERY = 10)

@@ -15,9 +15,10 @@ import zmq.asyncio
 
 from commd.daemon import sdnotify
 from commd.daemon.server import Daemon
+from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 
-from inprocess import RawClient, coordinator_of, hello, still_serving
+from inprocess import RawClient, hello, register_job, still_serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,16 +57,15 @@ def join(job: str = "pj", **fields: Any) -> dict[str, Any]:
             "op": "sum", "planner": "wfbp", "host": "127.0.0.1", **fields}
 
 
-async def a_job_still_forms(daemon: Daemon, client: RawClient, segments: Any, job: str) -> None:
+async def a_job_still_forms(daemon: Daemon, client: RawClient, job: str) -> None:
     """A one-rank job coordinated by this daemon: its join travels through the peer loop."""
-    assert (await client.ask(hello(job=job, coordinator=coordinator_of(daemon))))["type"] == \
-        "welcome"
-    segment = await segments(16)
-    reply = await client.ask({"type": "register", "dtype": "float32", "op": "sum",
-                              "planner": "wfbp", "buffer_token": segment.token,
-                              "layers": [{"name": "w", "size": 4}]})
-    assert reply["type"] == "registered", reply
-    await client.send({"type": "goodbye"})
+    buffer = HostBuffer(f"commd-test-{job}", 16)
+    try:
+        reply = await register_job(daemon, client, buffer, job, [{"name": "w", "size": 4}])
+        assert reply["type"] == "registered", reply
+        await client.send({"type": "goodbye"})
+    finally:
+        buffer.close()
 
 
 @pytest.mark.parametrize("frame", NESTED, ids=["array", "in-a-field"])
@@ -78,12 +78,12 @@ async def test_a_deeply_nested_client_frame_gets_a_typed_error(connect: Any, fra
 
 
 async def test_bad_peer_frames_are_dropped_and_the_peer_loop_goes_on(
-        daemon: Daemon, peer: RawPeer, connect: Any, segments: Any) -> None:
+        daemon: Daemon, peer: RawPeer, connect: Any) -> None:
     for frame in [*NESTED, b"\xc1garbage", msgpack.packb({"type": "peer_nonsense"}),
                   msgpack.packb({"type": "peer_leave"})]:
         await peer.send(frame)
     await peer.socket.send_multipart([b"one", b"two"])
-    await a_job_still_forms(daemon, connect(), segments, "after-bad-peer-frames")
+    await a_job_still_forms(daemon, connect(), "after-bad-peer-frames")
     counts = daemon._peer_guard.counts
     assert counts["bad peer message (malformed)"] == 4, counts  # 2 nested, garbage, no job
     assert counts["bad peer message (unknown_type)"] == 1, counts
@@ -106,14 +106,14 @@ async def test_bad_peer_frames_are_dropped_and_the_peer_loop_goes_on(
     ({"protocol": PROTOCOL_VERSION + 1}, "protocol version"),
 ], ids=lambda value: str(value)[:30])
 async def test_a_bad_join_is_refused_to_its_sender_and_nothing_else_changes(
-        daemon: Daemon, peer: RawPeer, connect: Any, segments: Any,
+        daemon: Daemon, peer: RawPeer, connect: Any,
         fields: dict[str, Any], words: str) -> None:
     await peer.send(join(**fields))
     reply = await peer.receive()
     assert reply["type"] == "peer_abort" and reply["code"] == "invalid", reply
     assert "refused this node's join" in reply["message"] and words in reply["message"], reply
     assert daemon.status().coordinating == []
-    await a_job_still_forms(daemon, connect(), segments, "after-a-bad-join")
+    await a_job_still_forms(daemon, connect(), "after-a-bad-join")
 
 
 @pytest.mark.parametrize("report", [
@@ -126,7 +126,7 @@ async def test_a_bad_join_is_refused_to_its_sender_and_nothing_else_changes(
     {"step_s": -1.0},
 ], ids=lambda value: str(value)[:30])
 async def test_a_malformed_report_fails_its_job_only(
-        daemon: Daemon, peer: RawPeer, connect: Any, segments: Any,
+        daemon: Daemon, peer: RawPeer, connect: Any,
         report: dict[str, Any]) -> None:
     await peer.send(join())
     assert (await peer.receive())["type"] == "peer_setup"
@@ -136,7 +136,7 @@ async def test_a_malformed_report_fails_its_job_only(
         pytest.fail(f"expected the job to be aborted, got {reply}")
     assert reply["code"] == "invalid" and "report is refused" in reply["message"], reply
     assert daemon.status().coordinating == []
-    await a_job_still_forms(daemon, connect(), segments, "after-a-bad-report")
+    await a_job_still_forms(daemon, connect(), "after-a-bad-report")
 
 
 async def test_a_decode_failure_of_a_report_row_is_a_dropped_frame(
@@ -152,7 +152,7 @@ async def test_a_decode_failure_of_a_report_row_is_a_dropped_frame(
 
 
 async def test_an_unexpected_exception_is_logged_and_the_loops_go_on(
-        daemon: Daemon, peer: RawPeer, connect: Any, segments: Any,
+        daemon: Daemon, peer: RawPeer, connect: Any,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     coordinator, sessions = daemon._coordinator, daemon._sessions
     real_message, real_frames = coordinator.on_message, sessions.on_frames
@@ -176,7 +176,7 @@ async def test_an_unexpected_exception_is_logged_and_the_loops_go_on(
     await client.send({"type": "status"})  # lost to the bug
     await peer.send(join())  # lost to the bug
     await still_serving(client)
-    await a_job_still_forms(daemon, client, segments, "after-a-bug")
+    await a_job_still_forms(daemon, client, "after-a-bug")
     assert daemon._client_guard.counts["RuntimeError in a client frame"] == 1
     assert daemon._peer_guard.counts["RuntimeError in handling a frame"] == 1
     assert "a bug in the coordinator" in caplog.text and "Traceback" in caplog.text

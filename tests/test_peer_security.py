@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -177,20 +176,13 @@ def listening_addresses(port: int) -> set[str]:
 
 
 @pytest.fixture
-async def keyed_daemon(tmp_path: Path, key_file: str) -> AsyncIterator[Daemon]:
-    settings = Settings(socket=str(tmp_path / "k.sock"), listen="0.0.0.0:0", backend="gloo",
-                        cluster_key=key_file, timeout_s=20)
-    daemon = Daemon(settings)
-    task = asyncio.create_task(daemon.run())
-    while daemon.peer_port == 0:
-        await asyncio.sleep(0.01)  # polling a condition, bounded by the test timeout
-    yield daemon
-    daemon.stop()
-    await asyncio.wait_for(task, 20)
+def daemon_settings(key_file: str) -> dict[str, Any]:
+    """The in-process daemon of this module listens on every interface, with a key."""
+    return {"listen": "0.0.0.0:0", "cluster_key": key_file}
 
 
 async def test_the_store_listens_on_one_address_under_a_secret_prefix(
-        keyed_daemon: Daemon, key_file: str) -> None:
+        daemon: Daemon, key_file: str) -> None:
     key = load_key(key_file)
     context = zmq.asyncio.Context()
     peers = []
@@ -199,7 +191,7 @@ async def test_the_store_listens_on_one_address_under_a_secret_prefix(
         sock.setsockopt(zmq.LINGER, 0)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = \
             key.public, key.secret, key.public
-        sock.connect(f"tcp://127.0.0.1:{keyed_daemon.peer_port}")
+        sock.connect(f"tcp://127.0.0.1:{daemon.peer_port}")
         peers.append(sock)
     try:
         setups = []
