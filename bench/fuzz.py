@@ -83,6 +83,7 @@ from commd_protocol import (
     PeerPlan,
     PeerProfile,
     PeerSetup,
+    Progress,
     ProtocolViolation,
     Ready,
     Register,
@@ -401,9 +402,17 @@ class SetupFailed(Exception):
 
 
 def receive(sock: zmq.Socket[bytes], timeout_s: float) -> bytes:
-    if not sock.poll(int(timeout_s * 1000)):
-        raise Gone(f"no answer within {timeout_s:g}s")
-    return sock.recv()
+    """The next frame but a ``progress`` (sent every 2 s to a waiting rank: not a reply)."""
+    while True:
+        if not sock.poll(int(timeout_s * 1000)):
+            raise Gone(f"no answer within {timeout_s:g}s")
+        frame = sock.recv()
+        try:
+            if isinstance(daemon_codec.decode(frame), Progress):
+                continue
+        except ProtocolViolation:
+            pass
+        return frame
 
 
 def answers_status(path: str, context: zmq.Context[zmq.Socket[bytes]], timeout_s: float) -> bool:

@@ -16,6 +16,7 @@ plus the ratio over all repeats pooled.
     .venv/bin/python bench/overhead.py                      # syncea, all layers ready at once
     .venv/bin/python bench/overhead.py --ready both         # also one ready() per layer
     .venv/bin/python bench/overhead.py --planner wfbp --json
+    .venv/bin/python bench/overhead.py --metrics            # daemons serve /metrics, scraped 1/s
 
 Timed per iteration, in each client process: from just before ``ready()`` to the return of
 ``wait()``; in each baseline process: ``pg.allreduce([t]).wait()``. Medians, p10 and p90 are
@@ -31,13 +32,16 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from types import FrameType, ModuleType
@@ -233,9 +237,13 @@ class Worker:
 class Harness:
     """Owns everything this benchmark starts; ``close()`` stops it all, in reverse order."""
 
-    def __init__(self, timeout: float, keep_logs: bool) -> None:
+    def __init__(self, timeout: float, keep_logs: bool, metrics: bool = False) -> None:
         self.timeout = timeout
         self.keep_logs = keep_logs
+        self.metrics = metrics  # --metrics: the daemons serve /metrics, scraped every second
+        self._scraper: threading.Thread | None = None
+        self._scraping = threading.Event()
+        self.scrapes = 0
         self.workdir = Path(tempfile.mkdtemp(prefix="commd-bench-overhead-"))
         self._daemons_module = _load_daemons_module()
         self.daemons: list[Any] = []
@@ -250,9 +258,30 @@ class Harness:
                 self.daemons.append(self._daemons_module.DaemonProcess(
                     self.workdir, f"d{index}", "--backend", "gloo",
                     "--timeout-s", str(self.timeout),
+                    *(("--metrics-listen", "127.0.0.1:0") if self.metrics else ()),
                 ))
             except RuntimeError as exc:  # "daemon did not become ready", with its log
                 raise BenchError(str(exc)) from None
+        if self.metrics:
+            urls = []
+            for daemon in self.daemons:  # port 0: the READY status line names the port
+                notes = " ".join(daemon.notifications)
+                match = re.search(r"metrics on (\S+:\d+)", notes)
+                if match is None:
+                    raise BenchError(f"daemon {daemon.name} serves no metrics: {notes!r}")
+                urls.append(f"http://{match.group(1)}/metrics")
+            self._scraper = threading.Thread(target=self._scrape, args=(urls,),
+                                             name="bench-scraper", daemon=True)
+            self._scraper.start()
+
+    def _scrape(self, urls: list[str]) -> None:
+        """Every second, GET each daemon's /metrics, like a Prometheus server with a 1 s
+        scrape interval (its default is 15 s)."""
+        while not self._scraping.wait(1.0):
+            for url in urls:
+                with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as got:
+                    got.read()
+                    self.scrapes += 1
 
     def _store_port(self) -> int:
         """The baseline's TCPStore, hosted here so that neither baseline worker is special."""
@@ -302,6 +331,9 @@ class Harness:
     def close(self) -> list[str]:
         """Stop workers, then daemons; remove (and return) segments our jobs leaked."""
         self.stop_workers()
+        self._scraping.set()
+        if self._scraper is not None:
+            self._scraper.join()
         for daemon in reversed(self.daemons):
             code = daemon.stop()
             if code not in (0, -signal.SIGTERM):
@@ -470,6 +502,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds before a hang becomes an error")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--keep-logs", action="store_true", help="keep the daemons' logs")
+    parser.add_argument("--metrics", action="store_true",
+                        help="daemons serve Prometheus metrics (--metrics-listen 127.0.0.1:0), "
+                             "scraped every second (docs/metrics.md)")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
@@ -485,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["all", "each"] if args.ready == "both" else [args.ready]
     signal.signal(signal.SIGTERM, _interrupt)
     info = machine()
-    harness = Harness(args.timeout, args.keep_logs)
+    harness = Harness(args.timeout, args.keep_logs, args.metrics)
     repeats: list[dict[str, Any]] = []
     try:
         harness.start_daemons()
@@ -512,12 +547,15 @@ def main(argv: list[str] | None = None) -> int:
             "elements": sum(s for _, s in layers), "dtype": "float32", "op": "sum",
             "planner": args.planner, "ready": modes, "iterations": args.iterations,
             "warmup": args.warmup, "target_ratio": TARGET_RATIO, "machine": info,
+            "metrics": args.metrics, "scrapes": harness.scrapes,
             "summary": summary,
             "times_s": [{name: [[r["t"] for r in rank] for rank in ranks]
                          for name, ranks in run["times"].items()} for run in repeats],
         }, indent=1))
     else:
         print_report(summary, args, modes, info)
+        if args.metrics:
+            print(f"metrics on: both daemons served /metrics, scraped {harness.scrapes} times")
     return 0
 
 

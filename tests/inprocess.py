@@ -25,10 +25,14 @@ class RawClient:
     async def send(self, message: dict[str, Any] | bytes) -> None:
         await self.socket.send(message if isinstance(message, bytes) else msgpack.packb(message))
 
-    async def receive(self) -> dict[str, Any]:
-        frame = await asyncio.wait_for(self.socket.recv(), 10)
-        reply: dict[str, Any] = msgpack.unpackb(frame)
-        return reply
+    async def receive(self, progress: bool = False) -> dict[str, Any]:
+        """The next message; ``progress`` messages (every 2 s to a waiting rank) are skipped
+        unless asked for, as a client does."""
+        while True:
+            frame = await asyncio.wait_for(self.socket.recv(), 10)
+            reply: dict[str, Any] = msgpack.unpackb(frame)
+            if progress or reply.get("type") != "progress":
+                return reply
 
     async def ask(self, message: dict[str, Any] | bytes) -> dict[str, Any]:
         await self.send(message)

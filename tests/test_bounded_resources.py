@@ -55,8 +55,11 @@ def join(job: str, ranks: list[int], world: int) -> bytes:
 
 
 async def answer(sock: zmq.asyncio.Socket) -> dict[str, Any]:
-    reply: dict[str, Any] = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
-    return reply
+    """The coordinator's next message but its every-2-s ``peer_status``."""
+    while True:
+        reply: dict[str, Any] = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+        if reply["type"] != "peer_status":
+            return reply
 
 
 REGISTER = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp"}

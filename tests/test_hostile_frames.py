@@ -38,8 +38,12 @@ class RawPeer:
         await self.socket.send(message if isinstance(message, bytes) else msgpack.packb(message))
 
     async def receive(self) -> dict[str, Any]:
-        reply: dict[str, Any] = msgpack.unpackb(await asyncio.wait_for(self.socket.recv(), 10))
-        return reply
+        """The coordinator's next message but its every-2-s ``peer_status``."""
+        while True:
+            reply: dict[str, Any] = msgpack.unpackb(
+                await asyncio.wait_for(self.socket.recv(), 10))
+            if reply["type"] != "peer_status":
+                return reply
 
 
 @pytest.fixture

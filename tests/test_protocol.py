@@ -32,6 +32,9 @@ from commd_protocol import (
     Registered,
     StatusReply,
     StatusRequest,
+    TraceEvent,
+    TraceReply,
+    TraceRequest,
     Wait,
     Welcome,
     encode,
@@ -83,7 +86,7 @@ CODECS: list[tuple[Codec[Any], Any]] = [
     (peer_codec, PeerMessage),
 ]
 ALL_CASES = [(codec, build(cls)) for codec, union in CODECS for cls in members(union)]
-CLIENT_TYPES = ["goodbye", "hello", "ready", "register", "status", "wait"]
+CLIENT_TYPES = ["goodbye", "hello", "ready", "register", "status", "trace", "wait"]
 
 
 def tag(message: msgspec.Struct) -> str:
@@ -126,7 +129,7 @@ def test_encoded_form_is_a_plain_map_with_a_type_key(
 def test_every_message_struct_is_covered() -> None:
     covered = {type(m) for _, m in ALL_CASES}
     expected = {Hello, Register, Ready, Wait, StatusRequest, Goodbye, Welcome, Registered, Done,
-                Error, StatusReply, PeerJoin, PeerAbort, PeerLeave}
+                Error, StatusReply, PeerJoin, PeerAbort, PeerLeave, TraceRequest, TraceReply}
     assert expected <= covered
     assert len(covered) == len(ALL_CASES)
 
@@ -204,6 +207,10 @@ def test_foreign_register_decodes_with_defaults_and_ignores_unknown_fields() -> 
         (daemon_codec, {"type": "done", "iteration": 0, "took_s": 0.1}, Done(iteration=0)),
         (daemon_codec, {"type": "status_reply", "status": {"jobs": []}},
          StatusReply(status={"jobs": []})),
+        (client_codec, {"type": "trace", "job": "j"}, TraceRequest(job="j")),
+        (daemon_codec, {"type": "trace_reply", "job": "j", "events": [
+            {"row": "ready", "name": "w", "start_s": 1.5, "later": 1}], "node": "x"},
+         TraceReply(job="j", events=[TraceEvent(row="ready", name="w", start_s=1.5)])),
         (peer_codec,
          {"type": "peer_join", "protocol": 1, "job": "j", "ranks": [0], "world_size": 1,
           "layers": [{"name": "a", "size": 1}], "dtype": "float16", "op": "avg",

@@ -57,10 +57,17 @@ LAYERS: dict[str, tuple[Any, str, str, tuple[Any, Any, Any]]] = {
     "backend": ("nccl", "gloo", "nccl", ("nccl", "gloo", "nccl")),
     "advertise": ("10.1.0.1", "10.1.0.2", "10.1.0.3", ("10.1.0.1", "10.1.0.2", "10.1.0.3")),
     "timeout_s": (5, "6.5", "7.25", (5.0, 6.5, 7.25)),
+    "peer_timeout_s": (5, "6", "7", (5.0, 6.0, 7.0)),
+    "watchdog_factor": (3, "4", "5", (3.0, 4.0, 5.0)),
+    "watchdog_floor_s": (1, "2", "3", (1.0, 2.0, 3.0)),
+    "stall_warn_s": (30, "40", "50", (30.0, 40.0, 50.0)),
+    "stall_timeout_s": (100, "200", "0", (100.0, 200.0, 0.0)),
     "max_layers": (100, "200", "300", (100, 200, 300)),
     "max_job_bytes": (1 << 20, "2097152", "3145728", (1 << 20, 2 << 20, 3 << 20)),
     "planner": ("mgwfbp", "wfbp", "horovod", ("mgwfbp", "wfbp", "horovod")),
     "log_level": ("debug", "warning", "error", ("debug", "warning", "error")),
+    "metrics_listen": ("127.0.0.1:9101", "0.0.0.0:9102", "[::1]:0",
+                       ("127.0.0.1:9101", "0.0.0.0:9102", "[::1]:0")),
 }
 
 
@@ -337,3 +344,45 @@ def test_limits_take_only_positive_integers(where: str, value: Any, tmp_path: Pa
             load(parse("--config", write_config(tmp_path / "c.toml", {"max_layers": value})), {})
         else:
             load(parse("--max-layers", value), {})
+
+
+# --- --metrics-listen ----------------------------------------------------------------------------
+
+BAD_METRICS_LISTEN = ["nonsense", "host:", ":9100", "host:65536", "host:-1", "host:9o",
+                      "host:9100:", "9100"]
+
+
+@pytest.mark.parametrize("value", BAD_METRICS_LISTEN)
+def test_bad_metrics_listen(value: str, tmp_path: Path) -> None:
+    expected = r"^commd: metrics_listen must be HOST:PORT, got "
+    with pytest.raises(SettingsError, match=expected) as info:
+        load(parse("--metrics-listen", value), {})
+    assert str(info.value) == f"commd: metrics_listen must be HOST:PORT, got {value!r}"
+    with pytest.raises(SettingsError, match=expected):
+        load(parse(), {"COMMD_METRICS_LISTEN": value})
+    config = write_config(tmp_path / "c.toml", {"metrics_listen": value})
+    with pytest.raises(SettingsError, match=expected):
+        load(parse("--config", config), {})
+
+
+def test_metrics_listen_in_file_must_be_a_string(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", {"metrics_listen": 9100})
+    with pytest.raises(SettingsError, match=r"^commd: metrics_listen in .* must be a str"):
+        load(parse("--config", config), {})
+
+
+def test_metrics_are_off_by_default_and_empty_means_off() -> None:
+    assert Settings().metrics_listen == ""
+    assert load(parse("--metrics-listen", ""), {"COMMD_METRICS_LISTEN": "127.0.0.1:1"}) \
+        .metrics_listen == ""
+
+
+def test_run_with_a_bad_metrics_listen_exits_2_with_one_line() -> None:
+    for argv, env in [(("--metrics-listen", "nonsense"), {}),
+                      ((), {"COMMD_METRICS_LISTEN": "localhost:http"})]:
+        result = cli("run", *argv, "--socket", "/nonexistent/dir/commd.sock", env=env)
+        assert result.returncode == 2, result.stderr
+        assert result.stdout == ""
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("commd: metrics_listen must be HOST:PORT, got ")

@@ -46,7 +46,7 @@ class Client:
 
     Every keyword defaults from the environment as torchrun sets it (RANK, WORLD_SIZE,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR); COMMD_JOB, COMMD_COORDINATOR and COMMD_SOCKET
-    override.
+    override; ``timeout`` (seconds a call waits) defaults to COMMD_TIMEOUT, else 300.
     """
 
     def __init__(
@@ -58,13 +58,13 @@ class Client:
         local_world_size: int | None = None,
         coordinator: str | None = None,
         socket: str | None = None,
-        timeout: float = 300.0,
+        timeout: float | None = None,
     ) -> None:
         who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
         self.job, self.rank, self.world_size = who.job, who.rank, who.world_size
         self.local_rank, self.local_world_size = who.local_rank, who.local_world_size
         self.coordinator, self.socket = who.coordinator, who.socket
-        self.timeout = timeout
+        self.timeout = env.timeout(timeout)  # else COMMD_TIMEOUT, else 300 s
         self.iteration = 0
         self.plan_version = 0  # the merge plan the last iteration ran with
         self.groups: list[list[int]] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -19,8 +20,14 @@ from commd_protocol import (
     encode,
 )
 from commd_protocol.codec import daemon_codec
+from commd_protocol.messages import Progress
 
 _POLL_SLICE_MS = 200
+# The daemon sends a waiting rank a ``progress`` every 2 s: this much silence means it stopped.
+DAEMON_SILENCE_S = 10.0
+PROGRESS_EVERY_S = 10.0  # how often a long wait logs what it waits for
+
+log = logging.getLogger("commd_client")
 _MONITOR_IDS = itertools.count()  # how often a long wait re-checks for a lost daemon
 
 
@@ -28,6 +35,10 @@ class Connection:
     """DEALER socket to the daemon's ROUTER; a socket monitor reports a lost daemon."""
 
     def __init__(self, socket_path: str) -> None:
+        if not os.path.exists(socket_path):  # at once, not after a hello timeout
+            raise CommdError(f"commd: no daemon socket at {socket_path}; is `commd run` "
+                             "running there? (COMMD_SOCKET names another path)",
+                             ErrorCode.RANK_LOST)
         self.socket_path = socket_path
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
@@ -40,14 +51,27 @@ class Connection:
         self._lock = threading.Lock()  # sends may come from autograd threads
         self._connected_once = False
         self.lost = False
+        self._progress = ProgressLog()
 
     def send(self, message: msgspec.Struct) -> None:
         with self._lock:
             self._socket.send(encode(message), copy=False)
 
     def receive(self, timeout_s: float | None, what: str) -> DaemonMessage:
-        """The next message from the daemon, or CommdTimeout / CommdError if it is gone."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """The next message from the daemon but a ``progress`` (logged, and proof that the
+        daemon lives), or CommdTimeout / CommdError if it is gone or silent."""
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        heard = started
+        while True:
+            message = self._next(deadline, timeout_s, what, heard)
+            if not isinstance(message, Progress):
+                return message
+            heard = time.monotonic()
+            self._progress.show(message, heard - started)
+
+    def _next(self, deadline: float | None, timeout_s: float | None, what: str,
+              heard: float) -> DaemonMessage:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -61,6 +85,11 @@ class Connection:
                         f"check that every rank is running and `commd status` on each node"
                     )
                 slice_ms = min(slice_ms, max(1, int(left * 1000)))
+            if time.monotonic() - heard > DAEMON_SILENCE_S:
+                raise CommdError(
+                    f"commd: the daemon at {self.socket_path} has sent nothing for "
+                    f"{DAEMON_SILENCE_S:g}s while this rank waits for {what}: it is stopped "
+                    "or hung (check `commd status` and its log)", ErrorCode.RANK_LOST)
             events = dict(poller.poll(slice_ms))
             if self._monitor in events:
                 self._monitor.recv_multipart()
@@ -86,3 +115,21 @@ class Connection:
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close(linger=0)
+
+
+class ProgressLog:
+    """What a waiting rank logs of the daemon's ``progress``: a stall once (a warning through
+    Python logging), and what it waits for every PROGRESS_EVERY_S once it waits that long."""
+
+    def __init__(self) -> None:
+        self._stall = ""
+        self._shown_at = 0.0
+
+    def show(self, progress: Progress, waited_s: float) -> None:
+        if progress.stall and progress.stall != self._stall:
+            log.warning("%s", progress.stall)
+        self._stall = progress.stall
+        now = time.monotonic()
+        if waited_s >= PROGRESS_EVERY_S and now - self._shown_at >= PROGRESS_EVERY_S:
+            self._shown_at = now
+            log.warning("%s (waiting %.0fs)", progress.message, waited_s)

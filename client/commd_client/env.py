@@ -63,6 +63,27 @@ def socket_path() -> str:
     return os.environ.get("COMMD_SOCKET", DEFAULT_SOCKET)
 
 
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout(given: float | None = None) -> float:
+    """``given``, else COMMD_TIMEOUT (seconds), else 300: how long a call waits."""
+    if given is not None:
+        value: object = given
+    else:
+        raw = os.environ.get("COMMD_TIMEOUT")
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            value = float(raw)
+        except ValueError:
+            raise CommdError(f"commd: COMMD_TIMEOUT={raw!r} is not a number of seconds") \
+                from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+        raise CommdError(f"commd: timeout must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def planner() -> str:
     """COMMD_PLANNER, else "" (the daemon's default planner)."""
     return os.environ.get("COMMD_PLANNER", "")

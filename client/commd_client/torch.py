@@ -64,7 +64,7 @@ class DistributedDataParallel(nn.Module):
         local_world_size: int | None = None,
         coordinator: str | None = None,
         socket: str | None = None,
-        timeout: float = 300.0,
+        timeout: float | None = None,
         planner: str | None = None,
         compression: str | None = None,
         broadcast_buffers: bool = True,
@@ -78,7 +78,7 @@ class DistributedDataParallel(nn.Module):
         check_cpu(module.named_buffers())
         self.module = module
         who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
-        self.endpoint = Endpoint(**dataclasses.asdict(who), timeout=timeout)
+        self.endpoint = Endpoint(**dataclasses.asdict(who), timeout=env.timeout(timeout))
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_forward_param_sync = True

@@ -11,10 +11,10 @@ import sys
 from typing import NoReturn
 
 from commd import __version__
-from commd.cli import costs, keygen, profile, run, simulate, status
+from commd.cli import costs, keygen, profile, run, simulate, status, trace
 
 # In the order `commd --help` lists them.
-_COMMANDS = (run, status, keygen, simulate, costs, profile)
+_COMMANDS = (run, status, trace, keygen, simulate, costs, profile)
 
 
 class _Parser(argparse.ArgumentParser):

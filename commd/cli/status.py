@@ -103,6 +103,8 @@ def _details(job: JobStatus) -> list[str]:
             f"{name}: compression {job.compression}: ratio {job.ratio or 0:.4g}, "
             f"groups by exchange: {counts or '-'}, gain {job.gain:.3f}"
         )
+    if job.stall:
+        lines.append(f"{name}: STALL ({job.stall_s:.0f}s): {job.stall}")
     if job.error:
         lines.append(f"{name}: {job.error}")
     return lines

@@ -16,14 +16,17 @@ import msgspec
 
 from commd.coordinator.replanner import Replanner
 from commd.coordinator.validation import join_problem, profile_problem
+from commd.coordinator.watch import JobWatch
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
+    PeerHeartbeat,
     PeerJoin,
     PeerLeave,
     PeerPlan,
     PeerProfile,
     PeerSetup,
+    PeerStatus,
 )
 from commd_protocol.agreement import describe_difference
 from commd_protocol.dtypes import itemsize
@@ -45,16 +48,26 @@ class Formation:
     replanner: Replanner | None = None
     reports: dict[int, dict[bytes, PeerProfile]] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)  # forming has a deadline
+    watch: JobWatch = field(default_factory=JobWatch)  # liveness of its nodes, its stall
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    form_s: float = 300.0  # a job must form within this
+    peer_s: float = 10.0  # a node silent this long fails the job
+    stall_warn_s: float = 60.0  # a stall this long is named
+    stall_s: float = 0.0  # a stall this long fails the job (0: never)
+
+
+STATUS_EVERY_S = 2.0  # PeerStatus to every node of every job: liveness, joined ranks, stall
 MAX_FORMING = 256  # jobs forming on this coordinator at a time
 MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
 
 
 class Coordinator:
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
-                 form_timeout_s: float = 300.0) -> None:
-        self._form_timeout_s = form_timeout_s
+                 deadlines: Deadlines = Deadlines()) -> None:
+        self._deadlines = deadlines
         self._send = send
         self._store_port = store_port
         self._jobs: dict[str, Formation] = {}
@@ -69,6 +82,10 @@ class Coordinator:
             self._on_leave(node, message)
         elif isinstance(message, PeerProfile):
             self._on_profile(node, message)
+        elif isinstance(message, PeerHeartbeat):
+            formation = self._jobs.get(message.job)
+            if formation is not None and node in formation.joins:
+                formation.watch.heard(node, time.monotonic(), message)
 
     def _on_join(self, node: bytes, join: PeerJoin) -> None:
         problem = join_problem(join)
@@ -88,6 +105,7 @@ class Coordinator:
                 return
             formation = self._jobs[join.job] = Formation(join.job, join.world_size)
         formation.joins[node] = join
+        formation.watch.heard(node, time.monotonic())
         problem = self._check(formation)
         if problem:
             self._abort_all(formation, ErrorCode.MISMATCH, problem)
@@ -149,6 +167,7 @@ class Coordinator:
         formation = self._jobs.get(profile.job)
         if formation is None or formation.replanner is None or node not in formation.joins:
             return
+        formation.watch.heard(node, time.monotonic())
         problem = profile_problem(profile, len(formation.joins[node].layers))
         if problem:
             self._abort_all(formation, ErrorCode.INVALID, f"a node's report is refused: {problem}")
@@ -207,16 +226,46 @@ class Coordinator:
             return f"this node has {MAX_FORMING_PER_NODE} jobs forming here already"
         return ""
 
-    def expire(self, now: float) -> None:
-        """Abort the jobs that did not form within the deadline, naming who joined."""
+    def tick(self, now: float) -> None:
+        """Every second: deadlines, silent nodes, stalls, and every node's ``PeerStatus``."""
         for formation in list(self._jobs.values()):
-            if formation.formed or now - formation.started <= self._form_timeout_s:
+            problem, code = self._overdue(formation, now)
+            if problem:
+                self._abort_all(formation, code, problem)
                 continue
-            joined = sorted(r for join in formation.joins.values() for r in join.ranks)
-            self._abort_all(formation, ErrorCode.TIMEOUT, (
-                f"the job did not form within {self._form_timeout_s:g}s: ranks {joined[:20]} "
-                f"of {formation.world_size} joined; start the missing ones with the same job id "
-                "and coordinator"))
+            self._tell_status(formation, now)
+
+    def _overdue(self, formation: Formation, now: float) -> tuple[str, ErrorCode]:
+        limits, joined = self._deadlines, formation.joins
+        if not formation.formed and now - formation.started > limits.form_s:
+            ranks = sorted(r for join in joined.values() for r in join.ranks)
+            return (f"the job did not form within {limits.form_s:g}s: ranks {ranks[:20]} of "
+                    f"{formation.world_size} joined; start the missing ones with the same job "
+                    "id and coordinator"), ErrorCode.TIMEOUT
+        silent = formation.watch.silent(joined, now, limits.peer_s)
+        if silent:
+            return silent, ErrorCode.RANK_LOST
+        before = formation.watch.stall
+        stall = formation.watch.update_stall(joined, limits.stall_warn_s)
+        if stall is not None and (before is None or before.key != stall.key):
+            log.warning("job %s: %s", formation.job, stall.message)
+        if stall is not None and 0 < limits.stall_s <= stall.seconds:
+            return (f"{stall.message}; the job fails after {limits.stall_s:g}s of stall "
+                    "(stall_timeout_s)"), ErrorCode.TIMEOUT
+        return "", ErrorCode.TIMEOUT
+
+    def _tell_status(self, formation: Formation, now: float) -> None:
+        if now - formation.watch.status_at < STATUS_EVERY_S:
+            return
+        formation.watch.status_at = now
+        stall = formation.watch.stall
+        ranks = sorted(r for join in formation.joins.values() for r in join.ranks)
+        message = PeerStatus(job=formation.job, joined=ranks,
+                             stall=stall.message if stall else "",
+                             stall_s=stall.seconds if stall else 0.0,
+                             marks_pending=formation.watch.marks_pending())
+        for node in formation.joins:
+            self._send(node, message)
 
     def _on_leave(self, node: bytes, leave: PeerLeave) -> None:
         formation = self._jobs.get(leave.job)

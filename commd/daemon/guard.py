@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 
@@ -44,10 +44,10 @@ class Guard:
         if seen & (seen - 1) == 0:
             log.warning("%s loop: %s (%d so far): %s", self.loop, kind, seen, detail)
 
-    def call(self, where: str, function: Callable[[T], None], item: T) -> None:
-        """``function(item)``; what it raises is logged and counted, never raised."""
+    def call(self, where: str, function: Callable[..., None], *args: Any) -> None:
+        """``function(*args)``; what it raises is logged and counted, never raised."""
         try:
-            function(item)
+            function(*args)
         except Exception as exc:
             self.failed(exc, where)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from commd.daemon.guard import Guard, serve
 from commd.daemon.peer_security import ClusterKey, connect_securely
@@ -17,6 +18,10 @@ from commd_protocol import PeerMessage, ProtocolViolation, encode
 from commd_protocol.codec import peer_codec
 
 log = logging.getLogger("commd.peers")
+
+_REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | _REFUSED[0] | _REFUSED[1] | _REFUSED[2]
 
 
 class PeerLinks:
@@ -29,8 +34,19 @@ class PeerLinks:
         self._on_message = on_message
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
+        self._states: dict[str, str] = {}  # "connecting", "up" or "refused", from the monitor
         self.guard = Guard("coordinator link")
         self.key: ClusterKey | None = None  # CurveZMQ on every link once set (before any)
+
+    @property
+    def count(self) -> int:
+        """Links open to coordinators."""
+        return len(self._links)
+
+    def state(self, address: str) -> str:
+        """"up" once a handshake with ``address`` succeeded, "refused" if one failed (keys),
+        else "connecting" (nothing answers, yet or at all)."""
+        return self._states.get(address, "connecting")
 
     def send(self, address: str, message: msgspec.Struct) -> None:
         socket = self._links.get(address) or self._open(address)
@@ -45,12 +61,29 @@ class PeerLinks:
             connect_securely(socket, self.key)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        monitor = socket.get_monitor_socket(_EVENTS)  # before connect: no event is missed
         socket.connect(f"tcp://{address}")
         self._links[address] = socket
-        self._readers[address] = asyncio.get_running_loop().create_task(
-            self._read(address, socket), name=f"commd-peer-{address}"
-        )
+        loop = asyncio.get_running_loop()
+        self._readers[address] = loop.create_task(self._read(address, socket),
+                                                  name=f"commd-peer-{address}")
+        self._readers[f"{address} monitor"] = loop.create_task(
+            self._watch(address, monitor), name=f"commd-peer-monitor-{address}")
         return socket
+
+    async def _watch(self, address: str, monitor: zmq.asyncio.Socket) -> None:
+        """The link's handshakes, for ``state``: a coordinator that never answers, or turns
+        our key away, is named to the job within seconds (commd.job.liveness)."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._states[address] = "up"
+                elif event in _REFUSED:
+                    self._states[address] = "refused"
+                    log.warning("the coordinator at %s refused this daemon's handshake", address)
+        finally:
+            monitor.close(linger=0)
 
     async def _read(self, address: str, socket: zmq.asyncio.Socket) -> None:
         def handle(frame: bytes) -> None:

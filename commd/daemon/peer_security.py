@@ -106,6 +106,33 @@ def start_authenticator(context: zmq.asyncio.Context, key: ClusterKey) -> tuple[
     return authenticator, admit
 
 
+class PeerSecurity:
+    """This daemon's cluster key, if any, and the ZAP handler that admits only its holders."""
+
+    def __init__(self) -> None:
+        self._authenticator: AsyncioAuthenticator | None = None
+        self._admit: ClusterOnly | None = None
+
+    def start(self, context: zmq.asyncio.Context, key_file: str) -> ClusterKey | None:
+        """Load ``key_file`` ("" : none) and admit only its holders; KeyFileError if bad."""
+        if not key_file:
+            return None
+        key = load_key(key_file)
+        self._authenticator, self._admit = start_authenticator(context, key)
+        log.info("peers authenticated and encrypted with the cluster key %s", key_file)
+        return key
+
+    @property
+    def refused(self) -> int:
+        """Handshakes turned away for want of the cluster key."""
+        return self._admit.rejected if self._admit else 0
+
+    def stop(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+
 def serve_securely(socket: zmq.Socket[Any], key: ClusterKey) -> None:
     """The peer ROUTER speaks CurveZMQ as the server (before bind)."""
     socket.curve_secretkey = key.secret

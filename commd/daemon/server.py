@@ -14,41 +14,37 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 import commd
-from commd.coordinator import Coordinator
+from commd.coordinator.coordinator import Coordinator, Deadlines
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, serve
 from commd.daemon.handover import BufferSocket
+from commd.daemon.job_factory import JobFactory
 from commd.daemon.peer_links import PeerLinks
-from commd.daemon.peer_security import (
-    ClusterKey,
-    ClusterOnly,
-    KeyFileError,
-    load_key,
-    start_authenticator,
-)
+from commd.daemon.peer_security import ClusterKey, KeyFileError, PeerSecurity
 from commd.daemon.rendezvous import Rendezvous
 from commd.daemon.sessions import ClientSessions
 from commd.daemon.settings import Settings
-from commd.daemon.sockets import StartupError, bind_clients, bind_peers, route_source
-from commd.engines import choose_backend, engine_for_buffers
+from commd.daemon.sockets import StartupError, bind_clients, bind_peers
+from commd.daemon.ticker import tick_forever
+from commd.engines import choose_backend, gloo
+from commd.job import liveness
 from commd.job.job import Job
-from commd.job.state import JobContext
-from commd.plan import get_planner
 from commd_protocol import (
     PROTOCOL_VERSION,
+    Error,
     ErrorCode,
-    Hello,
     PeerAbort,
     PeerMessage,
     PeerPlan,
     PeerSetup,
+    PeerStatus,
     ProtocolViolation,
     Welcome,
     encode,
@@ -56,6 +52,9 @@ from commd_protocol import (
 from commd_protocol.codec import peer_codec
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.status import DaemonStatus
+
+if TYPE_CHECKING:
+    from commd.daemon.metrics import Counts, Metrics
 
 __all__ = ["Daemon", "StartupError"]
 
@@ -77,17 +76,19 @@ class Daemon:
         self._context = zmq.asyncio.Context()
         self._clients: zmq.asyncio.Socket | None = None
         self._peers: zmq.asyncio.Socket | None = None
-        self._rendezvous = Rendezvous()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="commd-memory")
         self.peer_port = 0
         self._links = PeerLinks(self._context, self._on_coordinator_message)
-        self._coordinator = Coordinator(self._send_peer_reply, self._store_port,
-                                        settings.timeout_s)
-        self._authenticator: Any = None  # the ZAP handler, with a cluster key
-        self._admission: ClusterOnly | None = None
+        self._rendezvous = Rendezvous(settings)
+        self._coordinator = Coordinator(self._send_peer_reply, self._rendezvous.port, Deadlines(
+            form_s=settings.timeout_s, peer_s=settings.peer_timeout_s,
+            stall_warn_s=settings.stall_warn_s, stall_s=settings.stall_timeout_s))
+        self._security = PeerSecurity()  # the cluster key and who may connect
+        self._metrics: Metrics | None = None  # --metrics-listen (docs/metrics.md)
         self._client_guard = Guard("client")
         self._peer_guard = Guard("peer")
         self._buffers = BufferSocket(buffer_socket_path(settings.socket))
+        self._new_job = JobFactory(settings, self._executor, self._send_client, self._links.send)
         self._sessions = ClientSessions(self.jobs, self._new_job, self._send_client,
                                         self._welcome, self.status, self._buffers,
                                         self._client_guard)
@@ -100,11 +101,13 @@ class Daemon:
         except Exception as exc:
             raise StartupError(str(exc)) from None
         log.info("backend %s (%s)", self.backend, why)
+        self._new_job.backend = self.backend
         key = self._secure_peers()
         self._clients = bind_clients(self._context, self.settings.socket)
         self._buffers.start()
         self._peers, self.peer_port = bind_peers(self._context, self.settings.listen_host,
                                                  self.settings.listen_port, key)
+        served = self._serve_metrics()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
@@ -114,44 +117,45 @@ class Daemon:
         ]
         self._tasks = [*self._loops, loop.create_task(
             sdnotify.watchdog_loop(alive=self._loops_alive), name="commd-watchdog"),
-            loop.create_task(self._reap_forever(), name="commd-reaper")]
+            loop.create_task(tick_forever(
+                min(1.0, self.settings.timeout_s / 4), self.jobs, self._sessions,
+                self._coordinator, self._links), name="commd-ticker")]
         peers = f"{self.settings.listen_host}:{self.peer_port}"
-        sdnotify.ready(f"serving {self.settings.socket}, peers on {peers}")
+        sdnotify.ready(f"serving {self.settings.socket}, peers on {peers}{served}")
         log.info("serving clients on %s, peers on port %d", self.settings.socket, self.peer_port)
 
     def _secure_peers(self) -> ClusterKey | None:
-        """The cluster key and the ZAP handler that admits only its holders (None: no key,
+        """The cluster key, with a ZAP handler that admits only its holders (None: no key,
         then peers are served on loopback only, unless --insecure)."""
         problem = self.settings.exposure_problem()
         if problem:
             raise StartupError(problem)
-        if not self.settings.cluster_key:
-            if self.settings.insecure:
-                log.warning("serving peers on %s without a cluster key (--insecure)",
-                            self.settings.peer_listen)
-            return None
+        if not self.settings.cluster_key and self.settings.insecure:
+            log.warning("serving peers on %s without a cluster key (--insecure)",
+                        self.settings.peer_listen)
         try:
-            key = load_key(self.settings.cluster_key)
+            self._links.key = self._security.start(self._context, self.settings.cluster_key)
         except KeyFileError as exc:
             raise StartupError(str(exc)) from None
-        self._authenticator, self._admission = start_authenticator(self._context, key)
-        self._links.key = key
-        log.info("peers authenticated and encrypted with the cluster key %s",
-                 self.settings.cluster_key)
-        return key
+        return self._links.key
+
+    def _serve_metrics(self) -> str:
+        """Serve /metrics when --metrics-listen is set (imported only then); what the READY
+        status line adds: ", metrics on HOST:PORT" (the port bound, also for port 0)."""
+        if not self.settings.metrics_listen:
+            return ""
+        from commd.daemon.metrics import Metrics
+
+        self._metrics = Metrics(self.status, self._metric_counts, self.jobs)
+        self._new_job.observe = self._metrics.observe_iteration
+        return f", metrics on {self._metrics.serve(self.settings.metrics_listen)}"
 
     def stop(self) -> None:
         self._stop.set()
 
-    async def _reap_forever(self) -> None:
-        """Deadlines: jobs that do not form, sessions that never register, failed jobs."""
-        guard = Guard("reaper")
-        period = min(1.0, self.settings.timeout_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            guard.call("the client side", self._sessions.reap, now)
-            guard.call("the coordinator", self._coordinator.expire, now)
+    def stuck_collectives(self) -> int:
+        """Gloo groups kept for a collective stuck on a stopped peer (see GlooEngine.close)."""
+        return gloo.lingering()
 
     def _loops_alive(self) -> bool:
         """Both message loops still run (a loop that ended means no more watchdog pings)."""
@@ -167,6 +171,8 @@ class Daemon:
             job.fail(ErrorCode.SHUTDOWN, "the daemon is shutting down; restart `commd run`")
 
     async def cleanup(self) -> None:
+        if self._metrics is not None:  # its thread reads what the rest of cleanup undoes
+            await asyncio.to_thread(self._metrics.close)
         for job in list(self.jobs.values()):
             job.close()
         self.jobs.clear()
@@ -176,8 +182,7 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._links.close()
-        if self._authenticator is not None:
-            self._authenticator.stop()
+        self._security.stop()
         # The error replies of the drain still leave: closing lingers up to LINGER_MS for them.
         for sock in (self._clients, self._peers):
             if sock is not None:
@@ -224,35 +229,12 @@ class Daemon:
             return
         future = self._clients.send_multipart([identity, encode(message)])
         future.add_done_callback(_ignore_result)  # type: ignore[attr-defined]
+        if self._metrics is not None and isinstance(message, Error):
+            self._metrics.error_sent(message.code)
 
     def _welcome(self) -> Welcome:
         return Welcome(protocol=PROTOCOL_VERSION, version=commd.__version__,
                        backend=self.backend, buffer_socket=self._buffers.path)
-
-    def _new_job(self, hello: Hello) -> Job:
-        return Job(hello, JobContext(
-            engine_for=self._engine_for,
-            timeout_s=self.settings.timeout_s,
-            advertise=self._advertise,
-            executor=self._executor,
-            send_client=self._send_client,
-            send_peer=self._links.send,
-            validate_planner=get_planner,
-            default_planner=self.settings.planner,
-            max_layers=self.settings.max_layers,
-            max_job_bytes=self.settings.max_job_bytes,
-        ))
-
-    def _engine_for(self, kind: str) -> str:
-        return engine_for_buffers(kind, self.settings.backend, self.backend)
-
-    def _advertise(self, coordinator_host: str) -> str:
-        if self.settings.advertise:
-            return self.settings.advertise
-        host = self.settings.listen_host
-        if host not in ("0.0.0.0", "::", "*"):
-            return host
-        return route_source(coordinator_host)
 
     # --- peer side -------------------------------------------------------------------------------
 
@@ -279,14 +261,6 @@ class Daemon:
             future = self._peers.send_multipart([node, encode(message)])
             future.add_done_callback(_ignore_result)  # type: ignore[attr-defined]
 
-    def _store_port(self, peer_host: str) -> int:
-        """The rendezvous store, bound to one address (never every interface): the one we
-        listen on, the one we advertise, or the one that routes to the joining peer."""
-        host = self.settings.listen_host
-        if host in ("0.0.0.0", "::", "*"):
-            host = self.settings.advertise or route_source(peer_host)
-        return self._rendezvous.port(host)
-
     def _on_coordinator_message(self, address: str, message: PeerMessage) -> None:
         job = self.jobs.get(getattr(message, "job", ""))
         if job is None or job.coordinator != address:
@@ -297,6 +271,8 @@ class Daemon:
             task.add_done_callback(self._forget_task)
         elif isinstance(message, PeerPlan):
             job.on_plan(message)
+        elif isinstance(message, PeerStatus):
+            liveness.on_status(job, message, time.monotonic())
         elif isinstance(message, PeerAbort):
             job.fail(ErrorCode(message.code) if message.code in ErrorCode._value2member_map_
                      else ErrorCode.ENGINE, message.message, tell_coordinator=False)
@@ -320,7 +296,19 @@ class Daemon:
             listen=f"{self.settings.listen_host}:{self.peer_port}",
             jobs=[job.status() for job in self.jobs.values()],
             coordinating=self._coordinator.status(),
-            peer_handshakes_refused=self._admission.rejected if self._admission else 0,
+            peer_handshakes_refused=self._security.refused,
+        )
+
+    def _metric_counts(self) -> Counts:
+        """What metrics show beside status; read on the scrape thread (reads only)."""
+        from commd.daemon.metrics import Counts
+
+        guards = (self._client_guard, self._peer_guard, self._links.guard)
+        return Counts(
+            clients=self._sessions.count,
+            peer_links=self._links.count,
+            refused={(g.loop, kind): n for g in guards for kind, n in dict(g.counts).items()},
+            handovers_refused=self._buffers.refused,
         )
 
 

@@ -22,6 +22,7 @@ from commd.daemon.handover import BufferSocket
 from commd.job.deadlines import failed_long_ago, formation_overdue
 from commd.job.job import Job
 from commd.job.state import JobError, JobState, LocalRank, SendClient
+from commd.job.trace import TraceRecorder
 from commd.job.validation import check_hello
 from commd_protocol import (
     ClientMessage,
@@ -34,6 +35,7 @@ from commd_protocol import (
     Register,
     StatusReply,
     StatusRequest,
+    TraceRequest,
     Wait,
     Welcome,
 )
@@ -68,6 +70,11 @@ class ClientSessions:
         self._sessions: dict[bytes, Session] = {}
         self._pidfds: dict[bytes, int] = {}
 
+    @property
+    def count(self) -> int:
+        """Connections that said hello."""
+        return len(self._sessions)
+
     def on_frames(self, frames: list[bytes]) -> None:
         """One multipart message from the client ROUTER: [identity, frame]."""
         if len(frames) != 2:
@@ -93,6 +100,13 @@ class ClientSessions:
     def _dispatch(self, identity: bytes, message: ClientMessage) -> None:
         if isinstance(message, StatusRequest):
             self._send(identity, StatusReply(status=status_map(self._status())))
+            return
+        if isinstance(message, TraceRequest):  # like status: no hello; answered when recorded
+            recorder = TraceRecorder(message, lambda reply: self._send(identity, reply))
+            job = self._jobs.get(message.job)
+            if job is None:
+                raise JobError(f"no job {message.job!r} on this daemon; `commd status` lists them")
+            job.trace(recorder)
             return
         if isinstance(message, Hello):
             self._hello(identity, message)

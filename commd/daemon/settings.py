@@ -52,11 +52,22 @@ class Settings:
                              "local address that routes to the coordinator)")
     timeout_s: float = _option(300.0, "engine set-up and collective timeout in seconds; also "
                                "how long a job may take to form before it fails")
+    peer_timeout_s: float = _option(10.0, "a job's node (or its coordinator) silent this long "
+                                    "fails the job on every rank, naming it")
+    watchdog_factor: float = _option(10.0, "a collective running longer than this many times "
+                                     "its predicted time, plus watchdog_floor_s, fails the job")
+    watchdog_floor_s: float = _option(15.0, "seconds added to every collective's time limit "
+                                      "(above peer_timeout_s: a silent node is named first)")
+    stall_warn_s: float = _option(60.0, "ranks that have not marked a group others have, for "
+                                  "this long, are named in a warning (log, status, clients)")
+    stall_timeout_s: float = _option(0.0, "a stall this long fails the job (0: never)")
     max_layers: int = _option(65536, "layers one job may register")
     max_job_bytes: int = _option(_memory_bytes() // 2, "bytes of gradients one job may "
                                  "register on this node (default: half of its memory)")
     planner: str = _option("optimal", "default merge planner for jobs that do not name one")
     log_level: str = _option("info", "log level", LOG_LEVELS)
+    metrics_listen: str = _option("", "HOST:PORT to serve Prometheus metrics on, at /metrics "
+                                  "(port 0: any free port; '': off; docs/metrics.md)")
 
     @property
     def peer_listen(self) -> str:
@@ -206,6 +217,13 @@ def _validate(settings: Settings) -> None:
     split_host_port(settings.peer_listen, "listen")
     if not math.isfinite(settings.timeout_s) or settings.timeout_s <= 0:
         raise SettingsError(f"commd: timeout_s must be positive, got {settings.timeout_s}")
+    for name in ("peer_timeout_s", "watchdog_factor", "watchdog_floor_s", "stall_warn_s"):
+        value = getattr(settings, name)
+        if not math.isfinite(value) or value <= 0:
+            raise SettingsError(f"commd: {name} must be positive, got {value}")
+    if not math.isfinite(settings.stall_timeout_s) or settings.stall_timeout_s < 0:
+        raise SettingsError(f"commd: stall_timeout_s must be >= 0 (0: never), got "
+                            f"{settings.stall_timeout_s}")
     for name in ("max_layers", "max_job_bytes"):
         if getattr(settings, name) < 1:
             raise SettingsError(f"commd: {name} must be at least 1, got {getattr(settings, name)}")
@@ -217,6 +235,8 @@ def _validate(settings: Settings) -> None:
         raise SettingsError(f"commd: planner: {exc}") from None
     if settings.backend not in BACKENDS:
         raise SettingsError(f"commd: backend must be one of {', '.join(BACKENDS)}")
+    if settings.metrics_listen:
+        split_host_port(settings.metrics_listen, "metrics_listen")
 
 
 def log_once(settings: Settings, logger: logging.Logger) -> None:

@@ -18,6 +18,15 @@ from commd.engines.completion import Completion, bridge_future
 
 log = logging.getLogger("commd.engine.gloo")
 
+# Engines closed while a collective was in flight: their groups cannot be destroyed yet.
+_LINGERING: set[GlooEngine] = set()
+
+
+def lingering() -> int:
+    """Gloo groups still waiting for a stuck collective: the process must not run their
+    destructors at exit (they would block), see ``Daemon.run``."""
+    return len(_LINGERING)
+
 
 class GlooEngine(Engine):
     name = "gloo"
@@ -26,6 +35,8 @@ class GlooEngine(Engine):
         self._group: Any = None
         self._store: Any = None
         self._torch: Any = None
+        self._in_flight = 0  # Gloo works not yet ended (counted on the loop)
+        self._held: list[Any] = []  # a closed group and store, kept while work is in flight
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -71,9 +82,11 @@ class GlooEngine(Engine):
         return tensor.view(self._torch.bfloat16) if dtype == "bfloat16" else tensor
 
     def _bridge(self, work: Any) -> Completion:
-        future, settle = bridge_future(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        future, settle = bridge_future(loop)
 
-        def on_done(torch_future: Any) -> None:
+        def on_done(torch_future: Any) -> None:  # on Gloo's thread, when the work ended
+            loop.call_soon_threadsafe(self._work_ended)
             try:
                 torch_future.value()
             except Exception as exc:
@@ -81,8 +94,17 @@ class GlooEngine(Engine):
             else:
                 settle(None)
 
+        self._in_flight += 1
         work.get_future().add_done_callback(on_done)
         return future
+
+    def _work_ended(self) -> None:
+        """On the loop: a Gloo work ended (the asyncio future may have been cancelled long
+        before, Gloo's own work only ends now)."""
+        self._in_flight -= 1
+        if self._held and not self._in_flight:  # closed, and nothing waits in Gloo now
+            self._held.clear()
+            _LINGERING.discard(self)
 
     def _require_group(self) -> Any:
         if self._group is None:
@@ -108,7 +130,14 @@ class GlooEngine(Engine):
         )
 
     def close(self) -> None:
-        # Dropping the references lets Gloo close its pairs; a collective still in flight on
-        # a dead peer ends with its own timeout on Gloo's thread, never on the loop.
-        self._group = None
-        self._store = None
+        # Gloo's group waits in its destructor, holding the GIL, for the collectives still in
+        # flight: one that waits for a stopped peer would stall the whole daemon until Gloo's
+        # own timeout (minutes). So a group with work in flight is kept until that work ends
+        # (it fails at Gloo's timeout), and only then let go (``_finished``).
+        group, store = self._group, self._store
+        self._group = self._store = None
+        if self._in_flight and (group is not None or store is not None):
+            self._held = [group, store]
+            _LINGERING.add(self)
+            log.warning("a Gloo collective is still in flight (a peer stopped?): its group is "
+                        "kept until Gloo's own timeout ends it")

@@ -19,15 +19,14 @@ from commd.engines.buffer_ops import BufferOps
 from commd.job import buffers, replies, setup, validation
 from commd.job.members import Members
 from commd.job.pipeline import Pipeline, PipelineSnapshot, ReadyError, make_plan
-from commd.job.reporting import Reporter, job_status
-from commd.job.state import JobContext, JobError, JobState, LocalRank
+from commd.job.reporting import Reporter, job_status, join_request
+from commd.job.state import JobContext, JobError, JobState, Liveness, LocalRank
+from commd.job.trace import TraceRecorder
 from commd_protocol import (
-    PROTOCOL_VERSION,
     Error,
     ErrorCode,
     Hello,
     PeerAbort,
-    PeerJoin,
     PeerLeave,
     PeerPlan,
     PeerSetup,
@@ -57,6 +56,7 @@ class Job:
         self.reporter: Reporter | None = None
         self.last_plan: PeerPlan | None = None
         self.started = time.monotonic()  # the first hello: forming has a deadline (deadlines)
+        self.liveness = Liveness()  # the coordinator's messages, the job-wide stall
         self.failed_at = 0.0
         self._closed = False
 
@@ -96,8 +96,7 @@ class Job:
                                   several_nodes=self.world_size > self.local_world_size)
         total = sum(layer.size for layer in message.layers)
         try:
-            self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s,
-                                      host_fd)
+            self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s, host_fd)
         except buffers.AttachError as exc:
             raise JobError(str(exc)) from None
         member.registration = message
@@ -110,14 +109,9 @@ class Job:
 
     def _join(self) -> None:
         self.state = JobState.JOINING
-        reg = self.members.first_registration()
-        self.ctx.send_peer(self.coordinator, PeerJoin(
-            protocol=PROTOCOL_VERSION, job=self.id,
-            ranks=sorted(r.rank for r in self.members.ranks.values()),
-            world_size=self.world_size, layers=reg.layers, dtype=reg.dtype, op=reg.op,
-            planner=reg.planner, compression=reg.compression, profile=reg.profile,
-            host=self.ctx.advertise(self.coordinator_host), device=reg.device,
-        ))
+        self.liveness.joined_at = time.monotonic()
+        self.ctx.send_peer(self.coordinator, join_request(
+            self.id, self.world_size, self.members, self.ctx.advertise(self.coordinator_host)))
 
     # --- starting --------------------------------------------------------------------------------
 
@@ -126,6 +120,7 @@ class Job:
         if self.state is not JobState.JOINING:
             log.warning("job %s: ignoring set-up in state %s", self.id, self.state)
             return
+        self.liveness.heard_at = time.monotonic()
         problem = validation.setup_problem(message)
         if problem:
             self.fail(ErrorCode.INVALID, f"the coordinator sent a bad set-up: {problem}")
@@ -143,6 +138,7 @@ class Job:
         """The coordinator's plan for a round; round 0's starts the job."""
         if self.pipeline is None or self.state not in (JobState.STARTING, JobState.RUNNING):
             return
+        self.liveness.heard_at = time.monotonic()
         problem = validation.plan_problem(decision, len(self.pipeline.sizes))
         if problem:
             self.fail(ErrorCode.INVALID, f"the coordinator sent a bad plan: {problem}")
@@ -151,7 +147,8 @@ class Job:
         self.pipeline.schedule(
             decision.effective_iteration,
             make_plan(decision.version, decision.groups, self.pipeline.sizes,
-                      decision.exchanges, decision.ratio),
+                      decision.exchanges, decision.ratio,
+                      (decision.alpha_s, decision.beta_s_per_byte)),
         )
         if self.state is JobState.STARTING:
             self._start_running(decision)
@@ -164,11 +161,9 @@ class Job:
         for member in self.members.ranks.values():
             member.told_plan = decision.version
             self.ctx.send_client(member.identity, reply)
-        log.info(
-            "job %s running: node %d of %d, %d local ranks, %d groups (%s)",
-            self.id, self.setup.node_index, self.setup.nodes, len(self.members.ranks),
-            len(decision.groups), self.setup.planner,
-        )
+        log.info("job %s running: node %d of %d, %d local ranks, %d groups (%s)", self.id,
+                 self.setup.node_index, self.setup.nodes, len(self.members.ranks),
+                 len(decision.groups), self.setup.planner)
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -212,6 +207,9 @@ class Job:
                 member.waiting = None
                 reply = replies.done(self.pipeline, member, iteration, plan_version)
                 self.ctx.send_client(member.identity, reply)
+
+    def trace(self, recorder: TraceRecorder) -> None:  # a TraceRequest; JobError unless running
+        recorder.arm(self._running("trace"), self.members.first_registration(), self.setup)
 
     # --- failure and departure -------------------------------------------------------------------
 
@@ -288,4 +286,5 @@ class Job:
             run=self.pipeline.snapshot() if self.pipeline else PipelineSnapshot(),
             reporter=self.reporter,
             error=self.failure.message if self.failure else None,
+            stall=(self.liveness.stall, self.liveness.stall_s),
         )

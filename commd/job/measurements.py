@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from commd.job.schedule import Plan
 from commd_protocol.peer import ALLREDUCE
 
 # The start-up probe: float32 element counts (1 KiB … 4 MiB), each run PROBE_REPEATS times;
@@ -63,6 +64,32 @@ class WireClock:
 
         wire.add_done_callback(record)
         return wire
+
+
+class StepClock:
+    """Makes each iteration's record, with the step time since the previous one finished."""
+
+    def __init__(self) -> None:
+        self._last_finished = 0.0
+
+    def record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
+               samples: list[CommSample], gain: float, finished: float) -> IterationRecord:
+        """``ready_at``: when each layer became ready; ``finished``: when the iteration's last
+        group was done."""
+        start = float(ready_at.min())
+        period = finished - self._last_finished if self._last_finished else 0.0
+        self._last_finished = finished
+        return IterationRecord(
+            plan=plan.version,
+            period_s=period,
+            gain=gain,
+            ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
+            iteration=iteration,
+            ready_offsets_s=ready_at - start,
+            comm=samples,
+            exposed_comm_s=max(0.0, finished - float(ready_at.max())),
+            iteration_s=finished - start,
+        )
 
 
 @dataclass

@@ -29,9 +29,11 @@ from commd.compression.topk import topk_count
 from commd.engines import Engine
 from commd.engines.buffer_ops import Buffer, BufferOps, HostOps
 from commd.job.latency import LatencyWindow
-from commd.job.measurements import CommSample, IterationRecord, WireClock
+from commd.job.measurements import CommSample, IterationRecord, StepClock, WireClock
 from commd.job.readiness import Readiness, ReadyError
 from commd.job.schedule import Plan, PlanSchedule, make_plan
+from commd.job.trace import TraceRecorder
+from commd.job.watchdog import CollectiveWatch
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 from commd_protocol.status import LatencySummary, PlanChange
 
@@ -72,7 +74,12 @@ class Pipeline:
         nodes: int = 1,
         compressed: bool = False,
         ops: BufferOps | None = None,
+        watchdog: tuple[float, float] = (10.0, 15.0),
+        patient: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``watchdog``: a collective's limit is factor × its predicted time + floor seconds
+        (``CollectiveWatch``, patient while ``patient()``); ``on_failure`` hears of a
+        collective past it."""
         self.sizes = list(sizes)
         self.buffers = list(buffers)  # one flat array per local rank, local-rank order
         self.ops = ops if ops is not None else HostOps()
@@ -88,13 +95,15 @@ class Pipeline:
         self._schedule = PlanSchedule()
         self.ready_to_launch = LatencyWindow()  # last ready sent → the group's reduction issued
         self._records: asyncio.Future[None] | None = None  # device: the last pending record
-        self._views_plan: Plan | None = None  # the plan whose group views are cached
-        self._views: dict[int, list[Buffer]] = {}  # group index -> one view per local rank
+        self._group_views = GroupViews(self.buffers)
+        self.trace: TraceRecorder | None = None  # `commd trace` armed: records iterations
         self.iteration = 0
         self._task: asyncio.Task[None] | None = None
         self._wire_clock = WireClock()
-        self._last_finished = 0.0  # when the previous iteration's record was finished
+        self._records_clock = StepClock()  # iteration records, with the step time
         self._exchange = GroupExchange(engine, executor, node_index, nodes, dtype)
+        self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
+                                      patient)
         # Error-feedback residuals of the node's sums, zero at the start; only when compressing.
         self.residual = np.zeros_like(self.buffers[0]) if compressed else None
         self.gains: list[float] = []  # compression gain of each compressed group, this iteration
@@ -124,6 +133,12 @@ class Pipeline:
     @property
     def in_flight(self) -> bool:
         return self._ready.in_flight
+
+    def waiting(self) -> tuple[float, list[tuple[int, int]], float]:
+        """(seconds this iteration has waited for marks, [(local index, the layer it has not
+        marked)], seconds the oldest collective has been on the wire): for the stall
+        inspector. Marks awaited: (0, [], …)."""
+        return (*self._ready.waiting(), self._watch.oldest_s())
 
     def snapshot(self) -> PipelineSnapshot:
         return PipelineSnapshot(self.iteration, self.plan, self._schedule.history,
@@ -156,18 +171,24 @@ class Pipeline:
         wires: list[asyncio.Future[Any]] = []  # device: collectives still on the stream
         for index, group in enumerate(plan.groups):
             await self._ready.wait_for(group)
+            if self.trace is not None:
+                self.trace.group(self.iteration, plan, index)
             if plan.exchanges[index] == "dense":
                 finishing.append(await self._launch(plan, index, samples, wires))
             else:
                 finishing.append(await self._compressed(plan, index, samples))
+            if self.trace is not None:
+                self.trace.finishing(self.iteration, index, finishing[-1])
         await asyncio.gather(*finishing)
         gain = float(np.mean(self.gains)) if self.gains else 1.0
         self.gains = []
         done = self.iteration
         self.iteration += 1
         ready_at = self._ready.next_iteration()
+        if self.trace is not None:
+            self.trace.iteration(done, plan, ready_at)
         if not self.ops.stream_ordered:
-            self._on_record(self._record(plan, done, ready_at, samples, gain,
+            self._on_record(self._records_clock.record(plan, done, ready_at, samples, gain,
                                          time.monotonic()))
             self._on_complete(done, plan.version)
             return
@@ -179,23 +200,6 @@ class Pipeline:
         previous = self._records
         self._records = asyncio.ensure_future(self._record_when_finished(
             previous, [*wires, finished], plan, done, ready_at, samples, gain))
-
-    def _record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
-                samples: list[CommSample], gain: float, finished: float) -> IterationRecord:
-        start = float(ready_at.min())
-        period = finished - self._last_finished if self._last_finished else 0.0
-        self._last_finished = finished
-        return IterationRecord(
-            plan=plan.version,
-            period_s=period,
-            gain=gain,
-            ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
-            iteration=iteration,
-            ready_offsets_s=ready_at - start,
-            comm=samples,
-            exposed_comm_s=max(0.0, finished - float(ready_at.max())),
-            iteration_s=finished - start,
-        )
 
     async def _record_when_finished(self, previous: asyncio.Future[None] | None,
                                     pending: list[asyncio.Future[Any]], plan: Plan,
@@ -212,7 +216,8 @@ class Pipeline:
         except BaseException as exc:
             self._on_failure(exc)
             return
-        self._on_record(self._record(plan, iteration, ready_at, samples, gain, finished))
+        self._on_record(self._records_clock.record(plan, iteration, ready_at, samples, gain,
+                                                    finished))
 
     async def _launch(
         self, plan: Plan, index: int, samples: list[CommSample],
@@ -227,6 +232,11 @@ class Pipeline:
         if self.engine is not None:
             wire = self._wire_clock.timed(self.engine.allreduce(views[0], self.dtype),
                                           (self.iteration, index), views[0].nbytes, samples)
+            itemsize = views[0].itemsize
+            self._watch.watch(wire, describe(plan, index, self.iteration, itemsize),
+                              predicted_s(plan, index, itemsize))
+        if self.trace is not None:
+            self.trace.launched(self.iteration, index, wire)
         self._note_launch(plan.groups[index])
         if not self.ops.stream_ordered:
             return asyncio.ensure_future(self._finish(wire, views))
@@ -235,17 +245,6 @@ class Pipeline:
             wires.append(wire)
         self.ops.finish(views[0], views[1:], self._factor(), self.dtype)
         return _completed()
-
-    def _group_views(self, plan: Plan, index: int) -> list[Buffer]:
-        """Each local rank's slice of a group, made once per plan (a device array's slice
-        costs microseconds, on the path from the last ready to the launch)."""
-        if self._views_plan is not plan:
-            self._views_plan, self._views = plan, {}
-        views = self._views.get(index)
-        if views is None:
-            start, stop = plan.spans[index]
-            views = self._views[index] = [buffer[start:stop] for buffer in self.buffers]
-        return views
 
     def _note_launch(self, group: Sequence[int]) -> None:
         sent = self._ready.last_sent(group)
@@ -265,18 +264,24 @@ class Pipeline:
         views = [buffer[start:stop] for buffer in self.buffers]
         if len(views) > 1:
             await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
+        if self.trace is not None:
+            self.trace.summed(self.iteration, index)
         k = topk_count(stop - start, plan.ratio)
         residual = self.residual[start:stop]
         key = (self.iteration, index)
         itemsize = views[0].itemsize
-        if plan.exchanges[index] == "allreduce":
-            leader = self.iteration % self._exchange.nodes
-            gain, wire = await self._exchange.allreduce(views[0], residual, k, leader)
-            sample = CommSample(key, k * itemsize, wire, ALLREDUCE)
-        else:
-            gain, wire = await self._exchange.allgather(views[0], residual, k)
-            sample = CommSample(key, k * (itemsize + 4), wire, ALLGATHER)  # values + indices
+        with self._watch.span(describe(plan, index, self.iteration, itemsize),
+                              predicted_s(plan, index, itemsize)):
+            if plan.exchanges[index] == "allreduce":
+                leader = self.iteration % self._exchange.nodes
+                gain, wire = await self._exchange.allreduce(views[0], residual, k, leader)
+                sample = CommSample(key, k * itemsize, wire, ALLREDUCE)
+            else:
+                gain, wire = await self._exchange.allgather(views[0], residual, k)
+                sample = CommSample(key, k * (itemsize + 4), wire, ALLGATHER)  # + indices
         self.gains.append(gain)
+        if self.trace is not None:
+            self.trace.exchanged(self.iteration, index, gain, wire)
         self._wire_clock.ended()
         if self.engine is not None:  # the job's own collectives keep a and b up to date
             samples.append(sample)
@@ -293,6 +298,38 @@ class Pipeline:
             function(buffer, *args)
             return
         await asyncio.get_running_loop().run_in_executor(self._executor, function, buffer, *args)
+
+
+def describe(plan: Plan, index: int, iteration: int, itemsize: int) -> str:
+    group, (start, stop) = plan.groups[index], plan.spans[index]
+    return (f"the collective of group {index} (layers {group[0]}..{group[-1]}, "
+            f"{(stop - start) * itemsize} bytes) in iteration {iteration}")
+
+
+def predicted_s(plan: Plan, index: int, itemsize: int) -> float:
+    """The plan's a + b·M for a group (M: its dense bytes, an upper bound when compressed)."""
+    start, stop = plan.spans[index]
+    alpha, beta = plan.cost
+    return alpha + beta * (stop - start) * itemsize
+
+
+class GroupViews:
+    """Each local rank's slice of a group, made once per plan (a device array's slice costs
+    microseconds, on the path from the last ready to the launch)."""
+
+    def __init__(self, buffers: Sequence[Buffer]) -> None:
+        self._buffers = buffers
+        self._plan: Plan | None = None  # the plan whose group views are cached
+        self._views: dict[int, list[Buffer]] = {}  # group index -> one view per local rank
+
+    def __call__(self, plan: Plan, index: int) -> list[Buffer]:
+        if self._plan is not plan:
+            self._plan, self._views = plan, {}
+        views = self._views.get(index)
+        if views is None:
+            start, stop = plan.spans[index]
+            views = self._views[index] = [buffer[start:stop] for buffer in self._buffers]
+        return views
 
 
 def _completed() -> asyncio.Future[Any]:

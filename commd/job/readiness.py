@@ -30,6 +30,8 @@ class Readiness:
         self._sent_at = np.zeros(layers, dtype=np.float64)
         self._changed = asyncio.Event()
         self.notifications = 0  # ready messages received (clients batch them per group)
+        self._awaited: Sequence[int] | None = None  # the group wait_for waits on
+        self._began = time.monotonic()  # when the current iteration began
 
     def mark(self, local_index: int, layers: Sequence[int], iteration: int,
              sent_at: float = 0.0, stamps: Sequence[float] | None = None) -> None:
@@ -80,9 +82,33 @@ class Readiness:
 
     async def wait_for(self, group: Sequence[int]) -> None:
         """Until every local rank has marked every layer of ``group`` (adjacent layers)."""
-        while self._count[group[0] : group[-1] + 1].min() < self.ranks:
-            self._changed.clear()
-            await self._changed.wait()
+        self._awaited = group
+        try:
+            while self._count[group[0] : group[-1] + 1].min() < self.ranks:
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            self._awaited = None
+
+    def waiting(self) -> tuple[float, list[tuple[int, int]]]:
+        """(seconds this iteration has waited, ``missing`` of the awaited group); (0, [])
+        when no group is awaited."""
+        group = self._awaited
+        if group is None:
+            return 0.0, []
+        return time.monotonic() - self._began, self.missing(group)
+
+    def missing(self, group: Sequence[int]) -> list[tuple[int, int]]:
+        """(local index, the highest layer of ``group`` it has not marked) per local rank that
+        has not marked all of ``group``: backward marks the highest layers first, so that is
+        the next one it should mark."""
+        rows = self._marked[:, group[0] : group[-1] + 1]
+        found = []
+        for local, row in enumerate(rows):
+            unmarked = (~row).nonzero()[0]
+            if unmarked.size:
+                found.append((local, group[0] + int(unmarked[-1])))
+        return found
 
     def last_sent(self, group: Sequence[int]) -> float:
         """When the notification that completed ``group`` was sent (0: unknown)."""
@@ -91,6 +117,7 @@ class Readiness:
     def next_iteration(self) -> np.ndarray:
         """The ready times of the iteration that ended; every mark is cleared."""
         ready_at = self._ready_at.copy()
+        self._began = time.monotonic()
         self._marked[:] = False
         self._count[:] = 0
         self._ready_at[:] = 0.0

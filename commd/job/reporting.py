@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from commd.job.measurements import IterationRecord, NodeProfiler
+from commd.job.members import Members
 from commd.job.pipeline import PipelineSnapshot
 from commd.job.state import JobState
-from commd_protocol import PeerPlan, PeerProfile, PeerSetup, Register
+from commd_protocol import PROTOCOL_VERSION, PeerJoin, PeerPlan, PeerProfile, PeerSetup, Register
 from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 from commd_protocol.status import IterationTiming, JobStatus
 
@@ -22,8 +23,10 @@ RECENT = 100  # iteration times kept for status
 class Reporter:
     def __init__(self, job: str, layers: int, *, profile: bool,
                  send: Callable[[PeerProfile], None],
-                 expect_decision: Callable[[int], None]) -> None:
+                 expect_decision: Callable[[int], None],
+                 observe: Callable[[str, IterationRecord], None] | None = None) -> None:
         self.job = job
+        self._observe = observe  # JobContext.observe: the daemon's metrics (None: off)
         self.profile = profile  # False: short helper jobs send no report rounds
         self._send = send
         self._expect_decision = expect_decision
@@ -39,6 +42,8 @@ class Reporter:
     def add(self, record: IterationRecord) -> None:
         """One finished iteration; every REPORT_EVERY of them, report the round."""
         self._profiler.add(record)
+        if self._observe is not None:
+            self._observe(self.job, record)
         self.measured_comm_s = record.exposed_comm_s
         self.recent_iterations_s = [*self.recent_iterations_s[1 - RECENT:], record.iteration_s]
         self.gain = record.gain
@@ -61,10 +66,22 @@ class Reporter:
         return IterationTiming(last=recent[-1], mean=sum(recent) / len(recent))
 
 
+def join_request(job: str, world_size: int, members: Members, host: str) -> PeerJoin:
+    """Every local rank registered: ask the coordinator to let this node join (``host``: the
+    address our engine listens on)."""
+    reg = members.first_registration()
+    return PeerJoin(
+        protocol=PROTOCOL_VERSION, job=job, ranks=sorted(r.rank for r in members.ranks.values()),
+        world_size=world_size, layers=reg.layers, dtype=reg.dtype, op=reg.op,
+        planner=reg.planner, compression=reg.compression, profile=reg.profile, host=host,
+        device=reg.device,
+    )
+
+
 def job_status(*, job: str, state: JobState, world_size: int, local_ranks: list[int],
                registration: Register | None, setup: PeerSetup | None,
                decision: PeerPlan | None, run: PipelineSnapshot, reporter: Reporter | None,
-               error: str | None) -> JobStatus:
+               error: str | None, stall: tuple[str, float] = ("", 0.0)) -> JobStatus:
     """One job's status, from the parts that own each figure."""
     reg, plan = registration, run.plan
     return JobStatus(
@@ -95,4 +112,6 @@ def job_status(*, job: str, state: JobState, world_size: int, local_ranks: list[
         error=error,
         device=reg.device if reg else None,
         ready_to_launch=run.ready_to_launch,
+        stall=stall[0] or None,
+        stall_s=stall[1],
     )

@@ -24,16 +24,19 @@ class Plan:
     spans: list[tuple[int, int]]  # element range of each group in the flat buffer
     exchanges: list[str]  # per group: "dense", or a top-k exchange ("allgather", "allreduce")
     ratio: float  # top-k ratio of the compressed groups
+    cost: tuple[float, float] = (0.0, 0.0)  # a (s), b (s/byte) the plan was made with
 
 
 def make_plan(version: int, groups: Sequence[Sequence[int]], sizes: Sequence[int],
-              exchanges: Sequence[str] = (), ratio: float = 0.0) -> Plan:
+              exchanges: Sequence[str] = (), ratio: float = 0.0,
+              cost: tuple[float, float] = (0.0, 0.0)) -> Plan:
     offsets = backward_offsets(sizes)
     lists = [sorted(g) for g in groups]
     kinds = list(exchanges) or ["dense"] * len(lists)
     if len(kinds) != len(lists):
         raise ValueError(f"{len(kinds)} exchanges for {len(lists)} groups")
-    return Plan(version, lists, [group_span(g, sizes, offsets) for g in lists], kinds, ratio)
+    return Plan(version, lists, [group_span(g, sizes, offsets) for g in lists], kinds, ratio,
+                cost)
 
 
 class PlanSchedule:

@@ -21,7 +21,7 @@ from commd.job.measurements import PROBE_ELEMENTS, PROBE_REPEATS
 from commd.job.members import Members
 from commd.job.pipeline import Pipeline
 from commd.job.reporting import Reporter
-from commd.job.state import JobContext
+from commd.job.state import JobContext, Liveness
 from commd_protocol import ErrorCode, PeerSetup
 
 
@@ -42,6 +42,7 @@ class Starting(Protocol):
     engine: Engine | None
     pipeline: Pipeline | None
     reporter: Reporter | None
+    liveness: Liveness
 
     @property
     def starting(self) -> bool: ...
@@ -102,11 +103,13 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
         nodes=job.setup.nodes if job.setup else 1,
         compressed=parse_compression(reg.compression) is not None,
         ops=job.ops,
+        watchdog=job.ctx.watchdog,
+        patient=lambda: job.liveness.marks_pending,
     )
     reporter = Reporter(
         job.id, len(reg.layers), profile=reg.profile,
         send=lambda profile: job.ctx.send_peer(job.coordinator, profile),
-        expect_decision=pipeline.expect_decision,
+        expect_decision=pipeline.expect_decision, observe=job.ctx.observe,
     )
     return pipeline, reporter
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -15,7 +15,11 @@ from commd_protocol import ErrorCode, Register
 from commd_protocol.errors import prefixed
 from commd_protocol.status import JobState
 
-__all__ = ["JobContext", "JobError", "JobState", "LocalRank", "SendClient", "SendPeer"]
+if TYPE_CHECKING:
+    from commd.job.measurements import IterationRecord
+
+__all__ = ["JobContext", "JobError", "JobState", "Liveness", "LocalRank", "SendClient",
+           "SendPeer"]
 
 SendClient = Callable[[bytes, msgspec.Struct], None]
 SendPeer = Callable[[str, msgspec.Struct], None]
@@ -55,5 +59,22 @@ class JobContext:
     send_peer: SendPeer
     validate_planner: Callable[[str], object]  # ValueError names the valid planners
     default_planner: str
+    peer_timeout_s: float = 10.0  # the coordinator's silence that fails the job
+    watchdog: tuple[float, float] = (10.0, 15.0)  # a collective's limit: factor, floor seconds
     max_layers: int = 65536  # per job
     max_job_bytes: int = 1 << 40  # gradient bytes per job on this node
+    # (job id, record) for every finished iteration, e.g. the daemon's metrics (None: off)
+    observe: Callable[[str, IterationRecord], None] | None = None
+
+
+@dataclass
+class Liveness:
+    """What a job knows of its coordinator's liveness and of the job-wide state."""
+
+    heard_at: float = 0.0  # the coordinator's last message for this job (monotonic)
+    joined_at: float = 0.0  # when this node asked to join
+    beat_at: float = 0.0  # our last heartbeat
+    joined: list[int] = field(default_factory=list)  # ranks that joined (forming)
+    stall: str = ""  # the coordinator's stall warning, "" when none
+    stall_s: float = 0.0
+    marks_pending: bool = False  # some node waits for its ranks' marks (watchdog: be patient)

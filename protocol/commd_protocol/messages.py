@@ -80,6 +80,17 @@ class StatusRequest(_Msg, tag="status"):
     pass
 
 
+class TraceRequest(_Msg, tag="trace"):
+    """Record the next ``iterations`` whole iterations of ``job`` on this node (``commd
+    trace``). Like ``status`` it needs no hello. The daemon answers once they are recorded
+    with a ``TraceReply``, or with an ``Error``: no such job, a trace of it already running,
+    a value out of range. After ``timeout_s`` it answers with what it has (or a timeout)."""
+
+    job: str
+    iterations: int = 1
+    timeout_s: float = 60.0
+
+
 class Goodbye(_Msg, tag="goodbye"):
     pass
 
@@ -119,9 +130,39 @@ class Error(_Msg, tag="error"):
     fatal: bool = False  # True: the job failed and every later call fails the same way
 
 
+class Progress(_Msg, tag="progress"):
+    """Every few seconds to a rank that waits (for its job to form, or in ``wait``): what the
+    job waits for. It also tells the rank that its daemon is alive: a waiting rank that hears
+    nothing for long knows its daemon stopped."""
+
+    message: str  # what the job waits for, in words ("commd: …")
+    stall: str = ""  # a stall warning (log it once), "" when none
+
+
 class StatusReply(_Msg, tag="status_reply"):
     status: dict[str, object]
 
 
-ClientMessage = Hello | Register | Ready | Wait | StatusRequest | Goodbye
-DaemonMessage = Welcome | Registered | Done | Error | StatusReply
+class TraceEvent(msgspec.Struct, kw_only=True):
+    """One event of a trace, on the daemon's CLOCK_MONOTONIC (one clock per machine)."""
+
+    row: str  # "iteration", "ready", "local sum", "wire", "write back", "compression", "plan"
+    name: str  # e.g. "group 2", a layer's name, "plan v3"
+    start_s: float  # CLOCK_MONOTONIC seconds
+    duration_s: float | None = None  # None: an instant (a ready mark, a plan change)
+    iteration: int = -1
+    args: dict[str, str | int | float] = {}  # e.g. group, layers, bytes, exchange, k
+
+
+class TraceReply(_Msg, tag="trace_reply"):
+    job: str
+    node_index: int = 0
+    nodes: int = 1
+    iterations: list[int] = []  # the iterations recorded, every one whole
+    events: list[TraceEvent] = []
+    truncated: str = ""  # why fewer iterations than asked were recorded ("": none fewer)
+
+
+ClientMessage = Hello | Register | Ready | Wait | StatusRequest | Goodbye | TraceRequest
+DaemonMessage = (Welcome | Registered | Done | Error | StatusReply | Progress
+                 | TraceReply)

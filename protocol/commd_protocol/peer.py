@@ -97,4 +97,30 @@ class PeerPlan(_Msg, tag="peer_plan"):
     search: str = ""  # the plan search's state, for status
 
 
-PeerMessage = PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
+class PeerHeartbeat(_Msg, tag="peer_heartbeat"):
+    """A node to its job's coordinator, every few seconds while the job is active: it is alive,
+    and where its iteration stands (for the stall inspector)."""
+
+    job: str
+    iteration: int = 0  # the iteration the node's pipeline is in
+    waiting_s: float = 0.0  # how long it has waited for marks of its local ranks (0: not)
+    # [rank, first layer it has not marked] per local rank the node waits for
+    missing: list[list[int]] = msgspec.field(default_factory=list)
+    wire_s: float = 0.0  # how long its current collective has been on the wire (0: none)
+
+
+class PeerStatus(_Msg, tag="peer_status"):
+    """The coordinator to each node of a job, every few seconds: it is alive, who has joined,
+    and the job's stall, if any (every node shows it; waiting ranks log it)."""
+
+    job: str
+    joined: list[int] = msgspec.field(default_factory=list)  # ranks that joined (forming)
+    stall: str = ""  # the stall warning, "" when none
+    stall_s: float = 0.0
+    # Some node still waits for its ranks' marks: a collective elsewhere that waits for it is
+    # not overdue (the collective watchdog waits; the stall inspector speaks instead).
+    marks_pending: bool = False
+
+
+PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
+               | PeerHeartbeat | PeerStatus)

@@ -84,6 +84,8 @@ class JobStatus(_Status):
     error: str | None = None
     device: str | None = None
     ready_to_launch: LatencySummary | None = None
+    stall: str | None = None  # the coordinator's stall warning naming ranks and layers
+    stall_s: float = 0.0  # how long the stall has lasted
 
 
 class CoordinatedJob(_Status):

@@ -1,0 +1,88 @@
+"""A job's side of liveness, ticked every second by the daemon: heartbeats to its coordinator,
+the coordinator's silence, and what its waiting ranks hear every few seconds.
+
+A node whose coordinator has sent nothing for ``peer_timeout_s`` (or never answered its join
+within CONNECT_S) fails the job on every local rank, naming the coordinator. A waiting rank
+hears a ``progress`` message every BEAT_S: what the job waits for (who has not registered or
+joined, a stall), and, by its arrival, that its daemon is alive.
+"""
+
+from __future__ import annotations
+
+from commd.job.job import Job
+from commd.job.state import JobState
+from commd_protocol import ErrorCode, PeerHeartbeat, PeerStatus, Progress
+
+BEAT_S = 2.0  # heartbeats to the coordinator, progress to waiting ranks
+CONNECT_S = 5.0  # a coordinator that never answered by then is reported unreachable
+
+
+def on_status(job: Job, message: PeerStatus, now: float) -> None:
+    job.liveness.heard_at = now
+    job.liveness.joined, job.liveness.stall = message.joined, message.stall
+    job.liveness.stall_s, job.liveness.marks_pending = message.stall_s, message.marks_pending
+
+
+def tick(job: Job, now: float, link: str) -> None:
+    """``link``: the state of our link to the coordinator ("up", "connecting", "refused")."""
+    live = job.liveness
+    if job.state.active:
+        problem = _coordinator_problem(job, now, link)
+        if problem:
+            job.fail(ErrorCode.RANK_LOST, problem)
+            return
+        if now - live.beat_at >= BEAT_S:
+            live.beat_at = now
+            job.ctx.send_peer(job.coordinator, heartbeat(job))
+    waiting = [m for m in job.members.ranks.values() if not m.left and (
+        m.waiting is not None or (m.registration is not None and
+                                  job.state is not JobState.RUNNING))]
+    if waiting and job.state is not JobState.FAILED:
+        message = Progress(message=progress_message(job), stall=live.stall)
+        for member in waiting:
+            job.ctx.send_client(member.identity, message)
+
+
+def _coordinator_problem(job: Job, now: float, link: str) -> str:
+    live, address = job.liveness, job.coordinator
+    if job.state is JobState.JOINING and link != "up" and now - live.joined_at > CONNECT_S:
+        if link == "refused":
+            return (f"the coordinator daemon at {address} refused this node's handshake: the "
+                    "cluster keys differ (or only one of the daemons has one)")
+        return (f"no commd daemon answers at {address} (peer port of the coordinator daemon): "
+                "check COMMD_COORDINATOR / MASTER_ADDR and that its daemon runs")
+    silent = now - max(live.heard_at, live.joined_at)
+    if silent > job.ctx.peer_timeout_s:
+        return (f"the coordinator daemon at {address} has sent nothing for {silent:.0f}s: it "
+                "stopped, or the network to it is down")
+    return ""
+
+
+def heartbeat(job: Job) -> PeerHeartbeat:
+    if job.pipeline is None:
+        return PeerHeartbeat(job=job.id)
+    waiting_s, missing, wire_s = job.pipeline.waiting()
+    ranks = {m.local_rank: m.rank for m in job.members.ranks.values()}
+    return PeerHeartbeat(job=job.id, iteration=job.pipeline.iteration, waiting_s=waiting_s,
+                         missing=[[ranks[local], layer] for local, layer in missing],
+                         wire_s=wire_s)
+
+
+def progress_message(job: Job) -> str:
+    """What the job waits for, in words, for its waiting ranks."""
+    name = f"commd: job {job.id!r}"
+    if job.state is JobState.FORMING:
+        ranks = job.members.ranks
+        registered = sorted(i for i, r in ranks.items() if r.registration is not None)
+        waiting = sorted(set(range(job.local_world_size)) - set(registered))
+        return (f"{name} forms on this node: local ranks {registered} of "
+                f"{job.local_world_size} registered, waiting for local ranks {waiting}")
+    if job.state is JobState.JOINING:
+        missing = sorted(set(range(job.world_size)) - set(job.liveness.joined))
+        return (f"{name} waits for the other nodes at the coordinator {job.coordinator}: "
+                f"{job.world_size - len(missing)} of {job.world_size} ranks joined, waiting "
+                f"for ranks {missing[:20]}{' …' if len(missing) > 20 else ''}")
+    if job.state is JobState.STARTING:
+        return f"{name} is starting: engine set-up and network probe"
+    iteration = job.pipeline.iteration if job.pipeline else 0
+    return f"{name} runs iteration {iteration}"

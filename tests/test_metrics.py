@@ -1,0 +1,356 @@
+"""Prometheus metrics (`commd run --metrics-listen HOST:PORT`, docs/metrics.md): scraped over
+real HTTP from real daemons while two jobs run, the per-job series gone once the jobs end,
+refusals and errors counted, a busy port refused in one line, and nothing served when off."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from commd.daemon.metrics import Counts, Metrics
+from commd.daemon.server import Daemon
+from commd.daemon.settings import Settings
+from commd.job.measurements import CommSample, IterationRecord
+from commd.job.schedule import make_plan
+from commd.testing.processes import kill_all
+from commd_protocol.handover import buffer_socket_path
+from commd_protocol.peer import ALLGATHER, ALLREDUCE
+from commd_protocol.status import DaemonStatus, JobState, JobStatus, LatencySummary
+
+from ranks import JobSpec, await_registered, collect, start_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS = [("w0", 4096), ("b0", 16), ("w1", 2048), ("b1", 8)]
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse(text: str) -> Samples:
+    """Every sample of a scrape, by (sample name, labels)."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrape(address: str) -> tuple[Samples, set[str]]:
+    """GET http://ADDRESS/metrics: its samples and the families' types ("name type")."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    kinds = {f"{f.name} {f.type}" for f in text_string_to_metric_families(text)}
+    return parse(text), kinds
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def jobs_in(samples: Samples) -> set[str]:
+    return {v for (_, labels) in samples for k, v in labels if k == "job"}
+
+
+def metrics_address(daemon: Any) -> str:
+    """The address a `commd run` subprocess serves metrics on: its READY status line says."""
+    for note in daemon.notifications:
+        match = re.search(r"metrics on (\S+:\d+)", note)
+        if match:
+            return match.group(1).rstrip(",")
+    raise AssertionError(f"no metrics address in {daemon.notifications}")
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on (its socket inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def wait_for(check: Any, what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling a condition, with a deadline
+
+
+# --- real daemons, two jobs ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_two_jobs_on_two_daemons_scraped_while_they_run(start_daemon) -> None:
+    nodes = [start_daemon("--metrics-listen", "127.0.0.1:0") for _ in range(2)]
+    addresses = [metrics_address(node) for node in nodes]
+    assert all(a.startswith("127.0.0.1:") and not a.endswith(":0") for a in addresses)
+    # Each layer's ready waits 10 ms: the jobs run for seconds, then end by themselves.
+    slow = {r: {"skip_results": True, "backward_sleep_s": [0.01] * len(LAYERS)}
+            for r in range(4)}
+    dense = JobSpec("m-dense", nodes, 2, LAYERS, iterations=150, timeout=60, overrides=slow)
+    topk = JobSpec("m-topk", nodes, 2, LAYERS, iterations=150, timeout=60, overrides=slow,
+                   compression="topk:0.1:allgather")
+    running = [start_ranks(dense), start_ranks(topk)]
+    try:
+        for processes in running:
+            await_registered(processes)
+
+        def both_past_a_report() -> list[Samples] | None:
+            scrapes = [scrape(address)[0] for address in addresses]
+            done = [value(s, "commd_job_iterations_total", job=job) or 0
+                    for s in scrapes for job in ("m-dense", "m-topk")]
+            return scrapes if min(done) >= 12 else None
+
+        scrapes = wait_for(both_past_a_report, "12 iterations of both jobs on both nodes")
+        kinds = scrape(addresses[0])[1]
+        for index, samples in enumerate(scrapes):
+            assert value(samples, "commd_jobs", state="running") == 2
+            assert value(samples, "commd_jobs", state="failed") == 0
+            assert value(samples, "commd_clients_connected") == 4  # 2 jobs x 2 local ranks
+            assert value(samples, "commd_peer_links_open") == 1  # both jobs' coordinator
+            assert value(samples, "commd_nodes_coordinated") == (4 if index == 0 else 0)
+            assert value(samples, "commd_jobs_coordinated") == (2 if index == 0 else 0)
+            assert value(samples, "commd_peer_handshakes_refused_total") == 0
+            assert value(samples, "commd_buffer_handovers_refused_total") == 0
+            assert value(samples, "commd_daemon_info", version="0.1.0", protocol="2",
+                         backend="gloo") == 1
+            for job, exchange in (("m-dense", "allreduce"), ("m-topk", "allgather")):
+                assert value(samples, "commd_job_iterations_total", job=job) >= 12
+                assert value(samples, "commd_job_plan_groups", job=job) >= 1
+                assert value(samples, "commd_job_plan_version", job=job) is not None
+                assert value(samples, "commd_job_replans_total", job=job) >= 0
+                assert value(samples, "commd_job_stall_seconds", job=job) == 0
+                assert value(samples, "commd_job_exposed_comm_measured_seconds", job=job) >= 0
+                assert value(samples, "commd_job_exposed_comm_predicted_seconds",
+                             job=job) is not None
+                for unit in ("bytes", "seconds"):
+                    name = f"commd_job_wire_{unit}"
+                    count = value(samples, f"{name}_count", job=job, exchange=exchange)
+                    assert count is not None and count >= 12, (job, unit, count)
+                    assert value(samples, f"{name}_bucket", job=job, exchange=exchange,
+                                 le="+Inf") == count
+                    assert value(samples, f"{name}_sum", job=job, exchange=exchange) > 0
+            # Status has ready-to-launch figures once a client's ready carried its send time.
+            launch = [value(samples, "commd_job_ready_to_launch_seconds", job="m-dense",
+                            quantile=q) for q in ("0.5", "0.99", "1")]
+            assert launch == [None] * 3 or 0 <= launch[0] <= launch[1] <= launch[2], launch
+        assert {"commd_job_iterations counter", "commd_job_replans counter",
+                "commd_job_wire_bytes histogram", "commd_job_wire_seconds histogram",
+                "commd_jobs gauge", "commd_errors_sent counter", "commd_frames_refused counter",
+                "commd_job_plan_groups gauge", "commd_job_stall_seconds gauge"} <= kinds
+        for processes in running:
+            for result in collect(processes):
+                assert "error" not in result and result["returncode"] == 0, result
+    finally:
+        for processes in running:
+            kill_all(processes)
+    # Bounded cardinality: jobs gone from the job table are gone from every series.
+    for address in addresses:
+
+        def without_jobs(address: str = address) -> Samples | None:
+            samples = scrape(address)[0]
+            return None if jobs_in(samples) else samples
+
+        samples = wait_for(without_jobs, "the ended jobs' series to go", timeout=20)
+        assert value(samples, "commd_jobs", state="running") == 0
+        assert value(samples, "commd_clients_connected") == 0
+        assert value(samples, "commd_errors_sent_total", code="rank_lost") is None
+
+
+def test_metrics_off_listens_on_nothing_but_the_peer_port(start_daemon) -> None:
+    off = start_daemon()
+    assert not any("metrics on" in note for note in off.notifications)
+    assert listening_ports(off.process.pid) == {off.port}
+    on = start_daemon("--metrics-listen", "127.0.0.1:0")
+    port = int(metrics_address(on).rsplit(":", 1)[1])
+    assert listening_ports(on.process.pid) == {on.port, port}
+    assert "serving Prometheus metrics on http://127.0.0.1:" in on.log()
+
+
+def test_a_busy_metrics_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.sock"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "commd.cli", "run", "--backend", "gloo", "--socket", str(path),
+             "--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"commd: cannot serve metrics on 127.0.0.1:{port}: Address already in use; pass "
+        "another --metrics-listen")
+    assert not path.exists()
+
+
+# --- an in-process daemon ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def daemon_settings() -> dict[str, Any]:
+    return {"metrics_listen": "127.0.0.1:0"}
+
+
+async def test_refusals_and_errors_sent_are_counted(daemon: Daemon, connect: Any) -> None:
+    assert daemon._metrics is not None
+    address = daemon._metrics.address
+    client = connect()
+    reply = await client.ask(b"\xc1")  # not MessagePack
+    assert reply["type"] == "error" and reply["code"] == "malformed"
+    context = zmq.asyncio.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{daemon.peer_port}")
+    await peer.send_multipart([b"one", b"two"])  # a peer message of several frames
+
+    def hand_over_nothing() -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as handover:
+            handover.settimeout(10)
+            handover.connect(buffer_socket_path(daemon.settings.socket))
+            handover.send(b"0" * 32)  # a token without its descriptor
+            return handover.recv(512)
+
+    try:
+        assert b"exactly one descriptor" in await asyncio.to_thread(hand_over_nothing)
+        deadline = time.monotonic() + 20
+        while True:
+            samples, _ = await asyncio.to_thread(scrape, address)
+            refused = value(samples, "commd_frames_refused_total", loop="peer",
+                            kind="peer message of several frames")
+            if refused or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        peer.close(linger=0)
+        context.term()
+    assert refused == 1
+    assert value(samples, "commd_errors_sent_total", code="malformed") == 1
+    assert value(samples, "commd_buffer_handovers_refused_total") == 1
+    assert value(samples, "commd_clients_connected") == 0  # no hello: no session
+
+
+async def test_the_server_runs_on_its_own_thread_and_stops_with_the_daemon(
+        tmp_path: Path) -> None:
+    def names() -> list[str]:  # less the loop's default executor (to_thread, here)
+        return sorted(t.name for t in threading.enumerate() if not t.name.startswith("asyncio_"))
+
+    before = names()
+    for listen, threads in (("", before), ("127.0.0.1:0", sorted([*before, "commd-metrics"]))):
+        daemon = Daemon(Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0",
+                                 backend="gloo", metrics_listen=listen))
+        try:
+            await daemon.setup()
+            assert names() == threads
+            assert (daemon._metrics is None) == (listen == "")
+            address = daemon._metrics.address if daemon._metrics else ""
+            if address:
+                samples, _ = await asyncio.to_thread(scrape, address)
+                assert value(samples, "commd_uptime_seconds") is not None
+        finally:
+            await daemon.cleanup()
+        assert names() == before
+        if address:
+            with pytest.raises(urllib.error.URLError):
+                await asyncio.to_thread(scrape, address)
+
+
+# --- the collector alone -------------------------------------------------------------------------
+
+
+def job_status(job: str, **fields: Any) -> JobStatus:
+    return JobStatus(job=job, state=JobState.RUNNING, world_size=2, **fields)
+
+
+async def test_exchanges_replans_and_forgotten_jobs() -> None:
+    plan = make_plan(3, [[0], [1], [2]], [1024, 1024, 1024], ["dense", "allreduce", "allgather"],
+                     0.1)
+    table: dict[str, Any] = {"a": SimpleNamespace(pipeline=SimpleNamespace(plan=plan))}
+    latency = LatencySummary(p50_us=120.0, p99_us=450.0, max_us=900.0, samples=10.0)
+    status = DaemonStatus(version="v", protocol=2, backend="gloo", uptime_s=1.0,
+                          jobs=[job_status("a", plan_version=3, groups=plan.groups,
+                                           ready_to_launch=latency)])
+    metrics = Metrics(lambda: status, Counts, table)
+
+    def record(version: int, iteration: int) -> IterationRecord:
+        import numpy as np
+
+        key = (iteration, 0)
+        return IterationRecord(
+            iteration=iteration, ready_offsets_s=np.zeros(3), exposed_comm_s=0.0,
+            iteration_s=0.01, plan=version, ratio=0.1,
+            comm=[CommSample(key, 4096, 0.001), CommSample((iteration, 1), 400, 0.002, ALLREDUCE),
+                  CommSample((iteration, 2), 800, 0.003, ALLGATHER)])
+
+    metrics.observe_iteration("a", record(3, 0))
+    metrics.observe_iteration("a", record(3, 1))
+    metrics.observe_iteration("a", record(4, 2))  # not the running plan: guessed from the kind
+    metrics.error_sent("invalid")
+    await asyncio.sleep(0)  # observed right after the current callback
+    samples = parse(generate_latest(metrics.registry).decode())
+    count = "commd_job_wire_bytes_count"
+    assert value(samples, count, job="a", exchange="allreduce") == 2
+    assert value(samples, count, job="a", exchange="allreduce_topk") == 4
+    assert value(samples, count, job="a", exchange="allgather") == 3
+    assert value(samples, "commd_job_wire_bytes_bucket", job="a", exchange="allreduce",
+                 le="4096.0") == 2
+    assert value(samples, "commd_job_wire_bytes_bucket", job="a", exchange="allreduce",
+                 le="1024.0") == 0
+    assert value(samples, "commd_job_wire_seconds_sum", job="a", exchange="allgather") == \
+        pytest.approx(0.009)
+    assert value(samples, "commd_job_replans_total", job="a") == 1
+    assert value(samples, "commd_job_stall_seconds", job="a") == 0
+    assert value(samples, "commd_errors_sent_total", code="invalid") == 1
+    assert value(samples, "commd_jobs", state="running") == 1
+    assert value(samples, "commd_job_exposed_comm_predicted_seconds", job="a") is None
+    assert [value(samples, "commd_job_ready_to_launch_seconds", job="a", quantile=q)
+            for q in ("0.5", "0.99", "1")] == pytest.approx([120e-6, 450e-6, 900e-6])
+    # A stall figure, once JobStatus has one, is read as it is.
+    fields = {f: getattr(status.jobs[0], f) for f in JobStatus.__struct_fields__}
+    stalled = SimpleNamespace(**{**fields, "stall_s": 2.5})
+    status = DaemonStatus(version="v", protocol=2, backend="gloo", uptime_s=1.0,
+                          jobs=[stalled])  # type: ignore[list-item]
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert value(samples, "commd_job_stall_seconds", job="a") == 2.5
+    # The job leaves the table: every series labelled with it goes.
+    status = DaemonStatus(version="v", protocol=2, backend="gloo", uptime_s=1.0, jobs=[])
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert jobs_in(samples) == set()
+    assert value(samples, "commd_errors_sent_total", code="invalid") == 1
+    metrics.observe_iteration("a", record(4, 3))  # the id used again: a fresh series
+    await asyncio.sleep(0)
+    status = DaemonStatus(version="v", protocol=2, backend="gloo", uptime_s=1.0,
+                          jobs=[job_status("a")])
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert value(samples, count, job="a", exchange="allgather") == 1
+    assert value(samples, "commd_job_replans_total", job="a") == 0
