@@ -215,7 +215,7 @@ def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
                 with context:
                     loss_of(ddp, "mlp", 0, x, y).backward()
                 loss_of(reference_model, "mlp", 0, x, y).backward()
-            flat = ddp._reducer._buckets[0].client.flat
+            flat = ddp._reducer._slots.buckets[0].client.flat
             start, stop = flat.ctypes.data, flat.ctypes.data + flat.nbytes
             for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
                 assert param.grad is not None
@@ -255,7 +255,7 @@ def test_one_rank_in_process_mixed_dtypes_and_frozen_parameters(nodes) -> None:
         for _ in range(2):
             ddp(x).sum().backward()
             reference_model(x).sum().backward()
-        buckets = ddp._reducer._buckets
+        buckets = ddp._reducer._slots.buckets
         # The dtype of the first gradient ready (the last layer's) gets the plain job id.
         assert [b.client.job for b in buckets] == ["ddp-mixed", "ddp-mixed.grads-float64"]
         assert sum(len(b.params) for b in buckets) == 4  # wide and narrow, weight and bias
@@ -278,7 +278,7 @@ model = DistributedDataParallel(torch.nn.Linear(3, 2), job="ddp-atexit", rank=0,
                                 local_rank=0, local_world_size=1, coordinator=sys.argv[1],
                                 socket=sys.argv[2], timeout=20)
 model(torch.ones(4, 3)).sum().backward()
-buffers.append(model._reducer._buckets[0].client._host_buffer)
+buffers.append(model._reducer._slots.buckets[0].client._host_buffer)
 print("grads", sum(1 for p in model.parameters() if p.grad is not None), flush=True)
 """
 

@@ -94,7 +94,7 @@ def _check_exact(name: str, tensor: torch.Tensor) -> None:
 
 
 class Broadcaster:
-    """Rank 0's tensors to every rank, through job ``<job><suffix>`` (float64, op sum).
+    """One rank's tensors to every rank, through job ``<job><suffix>`` (float64, op sum).
 
     One layer per tensor, named as in the module: ranks whose modules differ get the
     coordinator's CommdError naming the first differing tensor.
@@ -117,19 +117,20 @@ class Broadcaster:
             self.client.close()
             raise
 
-    def run(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Overwrite every rank's tensors (same names as at construction) with rank 0's."""
+    def run(self, named: Sequence[tuple[str, torch.Tensor]], source: int = 0) -> None:
+        """Overwrite every rank's tensors (same names as at construction) with those of rank
+        ``source`` (0, or whom torch's Join agreed on)."""
         tensors = dict(named)
         with torch.no_grad():
             for name, array in zip(self.names, self.arrays, strict=True):
-                if self.rank == 0:
+                if self.rank == source:
                     _check_exact(name, tensors[name])
                     torch.from_numpy(array).copy_(tensors[name].detach().reshape(-1))
                 else:
                     array.fill(0.0)
             self.client.ready(range(len(self.arrays)))
             self.client.wait()
-            if self.rank != 0:
+            if self.rank != source:
                 for name, array in zip(self.names, self.arrays, strict=True):
                     target = tensors[name]
                     target.copy_(torch.from_numpy(array).view(target.shape))
@@ -142,13 +143,14 @@ def broadcast_once(
     endpoint: Endpoint,
     suffix: str,
     named: Sequence[tuple[str, torch.Tensor]],
+    source: int = 0,
 ) -> None:
-    """Overwrite ``named`` with rank 0's values through a short-lived job."""
+    """Overwrite ``named`` with rank ``source``'s values through a short-lived job."""
     if not any(tensor.numel() for _, tensor in named):
         return
     broadcaster = Broadcaster(endpoint, suffix, named)
     try:
-        broadcaster.run(named)
+        broadcaster.run(named, source)
     finally:
         broadcaster.close()
 

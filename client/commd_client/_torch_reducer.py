@@ -16,6 +16,9 @@ Lifecycle of the gradient buffers:
   works — readiness is per layer and a group starts when all its layers are ready — only
   with less overlap of communication and backward.
 
+With a half-precision comm hook the buffers hold the wire dtype and gradients are cast in and
+out instead (``_torch_slots``).
+
 Each job has one extra layer in front, ``commd:used``: 1 for every parameter that got a
 gradient on this rank since the last reduction. After averaging it tells which parameters no
 rank used; those whose ``.grad`` was None before keep None, as in torch DDP.
@@ -24,8 +27,8 @@ rank used; those whose ``.grad`` was None before keep None, as in torch DDP.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,19 +37,12 @@ from torch.utils.hooks import RemovableHandle
 from commd_protocol import CommdError
 
 from ._torch_common import Endpoint, as_tensor, broadcast_order, grad_dtype
-from .client import Client
+from ._torch_slots import Bucket, Slots
 
 USED_LAYER = "commd:used"
+_UNUSED_SHOWN = 10  # names in the unused-parameter warning
 
-
-@dataclass
-class _Bucket:
-    """One registered commd job: the parameters of one gradient dtype."""
-
-    client: Client
-    params: list[int]  # reducer indices; params[k] is layer k + 1 (layer 0: USED_LAYER)
-    flags: torch.Tensor  # view of layer 0
-    grads: list[torch.Tensor] = field(default_factory=list)  # views, aligned with params
+logger = logging.getLogger("commd_client")
 
 
 class Reducer:
@@ -66,20 +62,36 @@ class Reducer:
         self.planner = planner
         self.compression = compression
         self.require_sync = True  # no_sync() turns it off
+        self.warn_unused = False  # find_unused_parameters=False: say what torch would raise
+        self.after_reduce: Callable[[], None] | None = None  # set per forward (join)
+        self.wire_dtype: torch.dtype | None = None  # a half-precision comm hook's
         self._sync_backward = True  # decided at forward, as torch DDP does
         self._observed: dict[int, None] = {}  # first-seen order before registration
-        self._buckets: list[_Bucket] = []
-        self._slots: list[tuple[_Bucket, int]] = []  # per parameter: its bucket and layer
+        self._slots = Slots(self.params, staged=False)
         count = len(self.params)
         self._used = np.zeros(count, dtype=bool)  # got a gradient since the last reduction
         self._marked = np.zeros(count, dtype=bool)  # reported ready in this backward
-        self._was_none = np.zeros(count, dtype=bool)  # .grad was None when the window began
         self._queued = False
+        self._warned = False
         self._failure: BaseException | None = None
         self._handles: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._hook(index))
             for index, param in enumerate(self.params)
         ]
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._slots.buckets)
+
+    def set_wire_dtype(self, dtype: torch.dtype | None) -> None:
+        """Reduce in ``dtype`` on the wire (a comm hook); only before the first reduction."""
+        if self.registered:
+            raise CommdError(
+                "commd: register_comm_hook must be called before the first backward, as in "
+                "torch DDP"
+            )
+        self.wire_dtype = dtype
+        self._slots = Slots(self.params, staged=dtype is not None)
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -88,32 +100,34 @@ class Reducer:
         self._check()
         self._queued = False  # a backward that raised midway never ran its callback
         self._sync_backward = self.require_sync
-        if not self._buckets:
+        if not self.registered:
             return
-        for index, param in enumerate(self.params):
-            if param.grad is None:
-                self._attach_zeros(index)
+        for index in range(len(self.params)):
+            self._slots.attach_for_forward(index)
 
     # --- backward -------------------------------------------------------------------------------
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_grad(param: torch.Tensor) -> None:
-            self._on_grad(index, param)
+            self._on_grad(index)
 
         return on_grad
 
-    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+    def _on_grad(self, index: int) -> None:
         self._check()
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._queued = True
         self._used[index] = True
-        if not self._buckets:
+        if not self.registered:
             self._observed.setdefault(index)
             return
-        self._adopt(index, param)
+        if not self._slots.staged:
+            self._slots.load(index)  # zero copy: .grad is the view (copied once if replaced)
         if self._sync_backward:
-            bucket, layer = self._slots[index]
+            if self._slots.staged:
+                self._slots.load(index)
+            bucket, layer = self._slots.layer(index)
             self._guard(bucket.client.ready, layer)
             self._marked[index] = True
 
@@ -122,45 +136,85 @@ class Reducer:
         if not self._sync_backward:
             return
         try:
-            if not self._buckets:
+            if not self.registered:
                 self._register()
             self._mark_rest()
-            for bucket in self._buckets:
-                bucket.client.wait()
+            self._wait_all()
+            self._slots.store()
             self._finish()
+            if self.after_reduce is not None:
+                self.after_reduce()
         except BaseException as exc:
             self._failure = exc
             raise
 
     def _mark_rest(self) -> None:
         """Report every parameter not yet ready (unused ones: zeros) and the used flags."""
-        for bucket in self._buckets:
+        for bucket in self._slots.buckets:
             layers = [0]
             for layer, index in enumerate(bucket.params, start=1):
-                if self._marked[index]:
-                    continue
-                if self.params[index].grad is None:
-                    self._attach_zeros(index)
-                else:
-                    self._adopt(index, self.params[index])
-                layers.append(layer)
+                if not self._marked[index]:
+                    self._slots.load(index)
+                    layers.append(layer)
             bucket.flags.copy_(torch.from_numpy(self._used[bucket.params]))
             bucket.client.ready(layers)
 
+    def _wait_all(self) -> None:
+        for bucket in self._slots.buckets:
+            bucket.client.wait()
+
     def _finish(self) -> None:
         """Parameters no rank used keep a None .grad if theirs was None; reset the window."""
+        self._warn_unused()
         # Top-k would thin the used flags out with the gradients: with compression every
         # parameter counts as used (its .grad holds zeros or what top-k delivered).
-        buckets = [] if self.compression not in (None, "none") else self._buckets
+        buckets = [] if self.compression not in (None, "none") else self._slots.buckets
         for bucket in buckets:
             unused = (bucket.flags == 0).numpy()
             for position in np.flatnonzero(unused):
                 index = bucket.params[position]
-                if self._was_none[index]:
+                if self._slots.was_none[index]:
                     self.params[index].grad = None
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self._used[:] = False
         self._marked[:] = False
-        self._was_none[:] = False
+        self._slots.was_none[:] = False
+
+    def _warn_unused(self) -> None:
+        """torch DDP raises at the next iteration when find_unused_parameters=False and a
+        parameter got no gradient; commd copes, and says it once."""
+        if not self.warn_unused or self._warned or self._used.all():
+            return
+        self._warned = True
+        names = [self.names[i] for i in np.flatnonzero(~self._used)]
+        shown = ", ".join(repr(n) for n in names[:_UNUSED_SHOWN])
+        more = f" and {len(names) - _UNUSED_SHOWN} more" if len(names) > _UNUSED_SHOWN else ""
+        logger.warning(
+            "commd: %d parameter(s) got no gradient in this backward on rank %d: %s%s. torch's "
+            "DistributedDataParallel would raise at the next iteration (it needs "
+            "find_unused_parameters=True here); commd reduces them as zeros. Said once.",
+            len(names), self.endpoint.rank, shown, more,
+        )
+
+    # --- a joined rank (torch's Join) ------------------------------------------------------------
+
+    def shadow(self) -> None:
+        """A rank out of data takes part in the others' reduction with zeros, so nobody
+        hangs (torch DDP's join hook); its own ``.grad`` is overwritten, not read."""
+        self._check()
+        try:
+            if not self.registered:
+                self._register()
+            self._slots.zero_all()
+            for bucket in self._slots.buckets:
+                bucket.client.ready(range(len(bucket.params) + 1))
+            self._wait_all()
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        self._reset_window()
 
     # --- registration ----------------------------------------------------------------------------
 
@@ -174,20 +228,20 @@ class Reducer:
             order = broadcast_order(self.endpoint, order)
         by_dtype: dict[str, list[int]] = {}
         for index in order:
-            by_dtype.setdefault(self.dtypes[index], []).append(index)
-        self._slots = [None] * len(self.params)  # type: ignore[list-item]
+            dtype = grad_dtype("", self.wire_dtype) if self.wire_dtype else self.dtypes[index]
+            by_dtype.setdefault(dtype, []).append(index)
         try:
             for position, (dtype, ready_order) in enumerate(by_dtype.items()):
                 suffix = "" if position == 0 else f".grads-{dtype}"
-                self._buckets.append(self._open_bucket(suffix, dtype, ready_order))
+                self._open_bucket(suffix, dtype, ready_order)
         except BaseException:
             self.close()
             raise
 
-    def _open_bucket(self, suffix: str, dtype: str, ready_order: list[int]) -> _Bucket:
+    def _open_bucket(self, suffix: str, dtype: str, ready_order: list[int]) -> None:
         # Layers go to commd in forward order: the last one registered is laid out first.
         params = list(reversed(ready_order))
-        torch_dtype = self.params[params[0]].dtype
+        torch_dtype = self.wire_dtype or self.params[params[0]].dtype
         client = self.endpoint.open(suffix)
         try:
             arrays = client.register(
@@ -198,32 +252,8 @@ class Reducer:
         except BaseException:
             client.close()
             raise
-        bucket = _Bucket(client, params, as_tensor(arrays[0], torch_dtype))
-        for layer, (index, array) in enumerate(zip(params, arrays[1:], strict=True), start=1):
-            bucket.grads.append(as_tensor(array, torch_dtype).view(self.params[index].shape))
-            self._slots[index] = (bucket, layer)
-        return bucket
-
-    # --- gradient views ---------------------------------------------------------------------------
-
-    def _view(self, index: int) -> torch.Tensor:
-        bucket, layer = self._slots[index]
-        return bucket.grads[layer - 1]
-
-    def _attach_zeros(self, index: int) -> None:
-        view = self._view(index)
-        view.zero_()
-        self.params[index].grad = view
-        self._was_none[index] = True
-
-    def _adopt(self, index: int, param: torch.Tensor) -> None:
-        """Make .grad the shared view again (copying once) if something replaced it."""
-        view = self._view(index)
-        grad = param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(grad)
-            param.grad = view
+        bucket = Bucket(client, params, as_tensor(arrays[0], torch_dtype))
+        self._slots.add(bucket, [as_tensor(array, torch_dtype) for array in arrays[1:]])
 
     # --- errors and closing ----------------------------------------------------------------------
 
@@ -246,6 +276,6 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for bucket in self._buckets:
+        for bucket in self._slots.buckets:
             with contextlib.suppress(Exception):
                 bucket.client.close()

@@ -3,20 +3,25 @@
 A one-line change for torch users::
 
     from commd_client.torch import DistributedDataParallel
-    model = DistributedDataParallel(model)  # same keywords as Client, defaults from torchrun
+    model = DistributedDataParallel(model)  # torch's signature; defaults from torchrun
     loss.backward()  # returns with every parameter's .grad averaged over all ranks
 
 What it does, as torch's DDP does:
 
-- Construction broadcasts rank 0's parameters and buffers to every rank (job ``<job>.init``).
+- It *is* a ``torch.nn.parallel.DistributedDataParallel`` (a subclass that never runs torch's
+  constructor: no torch reducer, no buckets), so ``isinstance`` checks and unwrap helpers
+  work; every method of torch's class that scripts call is commd's here.
+- Identity: from torch.distributed's process group when one is initialised (``mp.spawn``
+  included), else from torchrun's environment (``_torch_identity``).
+- Construction broadcasts rank 0's parameters and buffers to every rank (job ``<job>.init``;
+  ``init_sync=False`` skips it).
 - Every parameter that requires a gradient is one commd layer; ``.grad`` tensors are views of
   commd's shared buffer (like ``gradient_as_bucket_view=True``), so nothing is copied.
-- ``no_sync()`` accumulates gradients locally; the next synchronising backward reduces them.
-- Parameters that get no gradient are reported with zeros (``find_unused_parameters`` is
-  always on); a parameter no rank used keeps ``.grad`` None if it was None.
-- Buffers are broadcast from rank 0 before each training forward (``broadcast_buffers``).
-- ``state_dict()`` keys carry the ``module.`` prefix exactly like torch DDP; use
-  ``model.module.state_dict()`` for the plain module's keys.
+- ``no_sync()`` / ``require_backward_grad_sync`` accumulate gradients locally.
+- Parameters that get no gradient are reduced as zeros; with ``find_unused_parameters=False``
+  a one-time warning names them (torch would raise).
+- Buffers are broadcast before each training forward (``forward_sync_buffers``).
+- ``join()`` (torch's ``Join``), ``register_comm_hook`` (fp16/bf16 on the wire).
 
 CUDA models are refused with a CommdError: the GPU path is not available yet. See docs/ddp.md.
 """
@@ -25,37 +30,64 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from commd_protocol import CommdError
 
 from . import env
-from ._torch_common import GPU_MESSAGE, Broadcaster, Endpoint, broadcast_once, check_cpu
+from ._torch_common import Broadcaster, Endpoint, broadcast_once, check_cpu
+from ._torch_hooks import builtin_hook, wire_dtype
+from ._torch_identity import resolve
+from ._torch_join import DdpJoinHook, announce_sync, common_rank, rescale_by_active
+from ._torch_options import TorchOptions, interpret
 from ._torch_reducer import Reducer
 
 __all__ = ["CommdError", "DistributedDataParallel"]
 
+_TorchDDP = torch.nn.parallel.DistributedDataParallel
 
-class DistributedDataParallel(nn.Module):
+
+class DistributedDataParallel(_TorchDDP):
     """Data parallelism for a CPU ``nn.Module`` with commd averaging the gradients.
 
-    Keywords are the Client's (each defaults from RANK, WORLD_SIZE, LOCAL_RANK,
-    LOCAL_WORLD_SIZE, MASTER_ADDR; COMMD_JOB, COMMD_COORDINATOR, COMMD_SOCKET override), plus
-    ``planner`` (commd's merge planner), ``compression`` (``topk:RATIO[:EXCHANGE]`` or
-    ``topk:auto``; default $COMMD_COMPRESSION, else none; with compression every parameter
-    counts as used), ``broadcast_buffers`` (as in torch DDP) and, accepted for compatibility,
-    ``find_unused_parameters`` (always on here) and ``device_ids`` (must be None: CPU only).
+    The parameters are torch 2.13's, in its order (see docs/ddp.md for what each does here),
+    then commd's keywords: the Client's (``job``, ``rank``, ``world_size``, ``local_rank``,
+    ``local_world_size``, ``coordinator``, ``socket``, ``timeout``; each defaults from the
+    process group or torchrun's environment), ``planner`` (commd's merge planner) and
+    ``compression`` (``topk:RATIO[:EXCHANGE]`` or ``topk:auto``; default $COMMD_COMPRESSION,
+    else none; with compression every parameter counts as used).
     """
 
-    def __init__(
+    def __init__(  # torch's signature, then commd's keywords
         self,
         module: nn.Module,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,  # deprecated in torch; no meaning here
+        gradient_as_bucket_view: bool = False,  # always views here
+        static_graph: bool = False,  # no meaning here: commd's hooks need no graph
+        delay_all_reduce_named_params: Any = None,  # timing only in torch
+        param_to_hook_all_reduce: Any = None,  # timing only in torch
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,  # unused ones cost zeros here
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,  # nothing is copied here
+        forward_sync_buffers: bool | None = None,
         *,
         job: str | None = None,
         rank: int | None = None,
@@ -67,21 +99,25 @@ class DistributedDataParallel(nn.Module):
         timeout: float | None = None,
         planner: str | None = None,
         compression: str | None = None,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = True,
-        device_ids: Sequence[Any] | None = None,
     ) -> None:
-        super().__init__()
-        if device_ids:
-            raise CommdError(f"commd: device_ids={list(device_ids)!r} was given; {GPU_MESSAGE}")
+        """Long only by torch's signature: the body interprets it, resolves who this rank is,
+        installs the hooks and broadcasts rank 0's state."""
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
+        options = interpret(
+            device_ids=device_ids, output_device=output_device,
+            broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
+            init_sync=init_sync, process_group=process_group, device_mesh=device_mesh,
+            bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
+            mixed_precision=mixed_precision, planner=planner,
+        )
         check_cpu(module.named_parameters())
         check_cpu(module.named_buffers())
         self.module = module
-        who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
+        self._torch_attributes(options, dim, find_unused_parameters, static_graph)
+        who = resolve(options.process_group, job, rank, world_size, local_rank,
+                      local_world_size, coordinator, socket)
         self.endpoint = Endpoint(**dataclasses.asdict(who), timeout=env.timeout(timeout))
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.require_forward_param_sync = True
         trained = [
             (name, p) for name, p in module.named_parameters() if p.requires_grad and p.numel()
         ]
@@ -91,27 +127,51 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel has nothing to reduce"
             )
         # Checks every dtype and installs the hooks; no communication yet.
-        self._reducer = Reducer(trained, self.endpoint, planner, compression)
+        self._reducer = Reducer(trained, self.endpoint, options.planner, compression)
+        self._reducer.warn_unused = not find_unused_parameters
+        self._hook_registered = False
         self._buffers_sync: Broadcaster | None = None
         self._broadcasters: list[Broadcaster] = []
+        self._one_offs = itertools.count(1)  # suffixes of the final-model broadcasts
         self._closed = False
         # Unlinks the shared memory at interpreter exit (or when the wrapper is collected).
         self._finalizer = weakref.finalize(self, _close, self._reducer, self._broadcasters)
         try:
-            if self.endpoint.world_size > 1:
-                broadcast_once(self.endpoint, ".init", self._state())
-            has_buffers = any(buffer.numel() for _, buffer in module.named_buffers())
-            if broadcast_buffers and has_buffers and self.endpoint.world_size > 1:
-                self._buffers_sync = Broadcaster(
-                    self.endpoint, ".buffers", list(module.named_buffers())
-                )
-                self._broadcasters.append(self._buffers_sync)
+            self._start(options.init_sync, options.init_sync_buffers)
         except BaseException:
             self.close()
             raise
 
-    def _state(self) -> list[tuple[str, torch.Tensor]]:
-        return [*self.module.named_parameters(), *self.module.named_buffers()]
+    def _torch_attributes(self, options: TorchOptions, dim: int, find_unused_parameters: bool,
+                          static_graph: bool) -> None:
+        """torch DDP's public attributes, with what they are here."""
+        self.device_ids = None
+        self.output_device = None
+        self.dim = dim
+        self.device = torch.device("cpu")
+        self.device_type = "cpu"
+        self.process_group = options.process_group  # type: ignore[assignment]  # None: no group
+        self.forward_sync_buffers = options.forward_sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = True
+        self.static_graph = static_graph
+        self.mixed_precision = None
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+
+    def _start(self, sync: bool, with_buffers: bool) -> None:
+        if self.endpoint.world_size == 1:
+            return
+        if sync:
+            named = list(self.module.named_parameters())
+            broadcast_once(self.endpoint, ".init",
+                           named + (list(self.module.named_buffers()) if with_buffers else []))
+        has_buffers = any(buffer.numel() for _, buffer in self.module.named_buffers())
+        if self.forward_sync_buffers and has_buffers:
+            self._buffers_sync = Broadcaster(
+                self.endpoint, ".buffers", list(self.module.named_buffers())
+            )
+            self._broadcasters.append(self._buffers_sync)
 
     # --- training -------------------------------------------------------------------------------
 
@@ -120,10 +180,38 @@ class DistributedDataParallel(nn.Module):
             grad_enabled = torch.is_grad_enabled()
             if grad_enabled:
                 self._reducer.prepare_forward()
-            if self._buffers_sync is not None and self.require_forward_param_sync:
-                self._buffers_sync.run(list(self.module.named_buffers()))
+            self._join_forward()
+            if self.will_sync_module_buffers():
+                source = 0
+                if self._join_config.enable:  # rank 0 may have joined: its buffers are stale
+                    source = common_rank(self.process_group, self.endpoint.rank, True)
+                self._broadcast_buffers(source)
+            if self._join_config.enable:
+                announce_sync(self.process_group, self._reducer.require_sync)
             self.require_forward_param_sync = grad_enabled and self._reducer.require_sync
         return self.module(*args, **kwargs)
+
+    def _join_forward(self) -> None:
+        """Inside ``join()``: tell the joined ranks that this one still trains."""
+        self._reducer.after_reduce = None
+        work = Join.notify_join_context(self)
+        if work is not None and not self._divide_by_initial_world_size:
+            params, world = self._reducer.params, self.endpoint.world_size
+            self._reducer.after_reduce = lambda: rescale_by_active(work, params, world)
+
+    def will_sync_module_buffers(self) -> bool:
+        return self._buffers_sync is not None and self.require_forward_param_sync
+
+    def _broadcast_buffers(self, source: int) -> None:
+        assert self._buffers_sync is not None
+        self._buffers_sync.run(list(self.module.named_buffers()), source)
+
+    def _broadcast_model(self, source: int) -> None:
+        """Everyone takes rank ``source``'s parameters (and synced buffers): end of a join."""
+        named = list(self.module.named_parameters())
+        if self.forward_sync_buffers:
+            named += list(self.module.named_buffers())
+        broadcast_once(self.endpoint, f".final{next(self._one_offs)}", named, source)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -146,13 +234,62 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._reducer.require_sync = previous
 
+    # --- torch DDP's other methods ------------------------------------------------------------
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch's uneven-inputs context manager: ranks out of data shadow the others'
+        reductions with zeros; at the end every rank takes the last joiner's model."""
+        if self.process_group is None:
+            raise CommdError(
+                "commd: join() counts the ranks still training over torch.distributed's "
+                "process group, as torch's Join does: call "
+                "torch.distributed.init_process_group('gloo') before wrapping the model"
+            )
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DdpJoinHook:
+        return DdpJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch's standard hooks: ``allreduce_hook`` (commd's default),
+        ``fp16_compress_hook`` and ``bf16_compress_hook`` (half precision on the wire);
+        anything else is refused with the reason. Once, before the first backward."""
+        if self._hook_registered:
+            raise CommdError("commd: register_comm_hook can only be called once (as in torch)")
+        self._reducer.set_wire_dtype(wire_dtype(hook))
+        self._hook_registered = True
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        self.register_comm_hook(None, builtin_hook(comm_hook_type))
+
+    def _set_static_graph(self) -> None:
+        self.static_graph = True  # commd's hooks work the same with or without
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "commd's DistributedDataParallel cannot be pickled or deep-copied: it holds shared "
+            "memory and a daemon connection; checkpoint model.module.state_dict() instead"
+        )
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the jobs and unlink the shared memory; ``.grad`` tensors stay readable.
-
-        Afterwards the wrapper is a plain pass-through to the module (no communication).
-        """
+        """Leave the jobs and unlink the shared memory; ``.grad`` tensors stay readable. The
+        wrapper becomes a pass-through to the module, which can be wrapped again."""
         self._closed = True
         self._finalizer()
 

@@ -1,0 +1,104 @@
+"""Where each parameter's gradient lives in commd's shared buffers.
+
+Two ways, chosen once per wrapper:
+
+- zero copy (the default): ``.grad`` *is* a view of the shared buffer, so autograd accumulates
+  into it and the daemon reduces it in place; nothing is copied.
+- staged (a half-precision comm hook): the shared buffer holds the gradients in the wire dtype;
+  each gradient is cast into it before it is marked ready and cast back after the reduction,
+  as torch's ``fp16_compress_hook`` does with its buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .client import Client
+
+
+@dataclass
+class Bucket:
+    """One registered commd job: the parameters whose gradients share one dtype."""
+
+    client: Client
+    params: list[int]  # reducer indices; params[k] is layer k + 1 (layer 0: the used flags)
+    flags: torch.Tensor  # view of layer 0
+    grads: list[torch.Tensor] = field(default_factory=list)  # views, aligned with params
+
+
+class Slots:
+    """Per parameter: its bucket, its layer and its view; moves gradients in and out."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], staged: bool) -> None:
+        self.params = params
+        self.staged = staged
+        self.buckets: list[Bucket] = []
+        self._where: list[tuple[Bucket, int] | None] = [None] * len(params)
+        self.was_none = np.zeros(len(params), dtype=bool)  # .grad None when the window began
+
+    def add(self, bucket: Bucket, views: Sequence[torch.Tensor]) -> None:
+        for layer, (index, view) in enumerate(zip(bucket.params, views, strict=True), start=1):
+            bucket.grads.append(view.view(self.params[index].shape))
+            self._where[index] = (bucket, layer)
+        self.buckets.append(bucket)
+
+    def layer(self, index: int) -> tuple[Bucket, int]:
+        where = self._where[index]
+        assert where is not None, "a parameter without a bucket"
+        return where
+
+    def view(self, index: int) -> torch.Tensor:
+        bucket, layer = self.layer(index)
+        return bucket.grads[layer - 1]
+
+    def attach_for_forward(self, index: int) -> None:
+        """Zero copy: give a None ``.grad`` its zeroed view again (after zero_grad)."""
+        if not self.staged and self.params[index].grad is None:
+            self.load_zeros(index)
+
+    def load(self, index: int) -> None:
+        """The parameter's gradient is final: put it into the buffer."""
+        param, view = self.params[index], self.view(index)
+        grad = param.grad
+        if grad is None:
+            self.load_zeros(index)
+        elif self.staged:
+            with torch.no_grad():
+                view.copy_(grad)
+        elif grad.data_ptr() != view.data_ptr():  # replaced by another tensor: copy once
+            with torch.no_grad():
+                view.copy_(grad)
+            param.grad = view
+
+    def load_zeros(self, index: int) -> None:
+        """No gradient on this rank: contribute zeros (zero copy: ``.grad`` is the view)."""
+        view = self.view(index)
+        view.zero_()
+        if not self.staged:
+            self.params[index].grad = view
+        self.was_none[index] = True
+
+    def store(self) -> None:
+        """After the reduction: staged gradients go back into ``.grad`` in their dtype."""
+        if not self.staged:
+            return
+        with torch.no_grad():
+            for index, param in enumerate(self.params):
+                if self._where[index] is None:
+                    continue
+                reduced = self.view(index)
+                if param.grad is None:
+                    param.grad = reduced.to(param.dtype)
+                else:
+                    param.grad.copy_(reduced)
+
+    def zero_all(self) -> None:
+        """A joined rank's contribution: zeros everywhere (its own ``.grad`` is not read)."""
+        for bucket in self.buckets:
+            bucket.flags.zero_()
+            for view in bucket.grads:
+                view.zero_()
