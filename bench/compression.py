@@ -47,6 +47,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from commd.compression.topk import parse_compression
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import stop_process
 
@@ -207,6 +208,8 @@ def snapshot(job: dict[str, Any]) -> dict[str, Any]:
         "beta_s_per_byte": job.get("beta_s_per_byte"),
         "gain": job.get("gain"),
         "state": job.get("state"),
+        "selection": job.get("selection"),
+        "candidates": job.get("candidates") or [],
     }
 
 
@@ -403,6 +406,9 @@ def iterations_for(mode: str, args: argparse.Namespace) -> tuple[int, int]:
         return args.warmup_auto, args.iterations
     if mode == "none":
         return args.warmup, args.dense_iterations
+    spec = parse_compression(mode)
+    if spec is not None and spec.exchange == "auto":
+        return args.warmup_trials, args.iterations
     return args.warmup, args.iterations
 
 
@@ -597,6 +603,12 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
         ]
     for row in auto:
         lines.append(f"- {row['rate']} {row['mode']}: {_history(row['history'])}")
+    if auto:
+        lines += ["", "Exchange selection at the end of the auto jobs (node 0's status; ms per "
+                  "iteration, predicted by the cost model / measured step):"]
+    for row in auto:
+        lines.append(f"- {row['rate']} {row['mode']}: {_candidates(row['final'])}")
+    lines += _targets(rows)
     for live in lives:
         lines += [
             "",
@@ -616,6 +628,35 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
             )
         lines += ["", f"- plan changes: {_history(live['history'])}"]
     return "\n".join(lines)
+
+
+def _candidates(final: dict[str, Any]) -> str:
+    parts = [
+        f"{c['name']} {c['predicted_s'] * 1e3:.1f}/"
+        + ("-" if c.get("measured_s") is None else f"{c['measured_s'] * 1e3:.1f}")
+        for c in final.get("candidates") or []
+    ]
+    return f"{final.get('selection') or '-'}: " + (", ".join(parts) or "-")
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[str]:
+    """Each auto row against dense and the better forced exchange of the same run."""
+    lines = []
+    for rate in dict.fromkeys(row["rate"] for row in rows):
+        at = {row["mode"]: row["median_ms"] for row in rows if row["rate"] == rate}
+        dense = at.get("none")
+        forced = [ms for mode, ms in at.items()
+                  if mode.endswith((":allgather", ":allreduce"))]
+        for mode, ms in at.items():
+            if "auto" not in mode or dense is None:
+                continue
+            best = min([dense, *forced])
+            lines.append(f"| {rate} | {mode} | {ms / dense:.2f} | {ms / best:.2f} |")
+    if not lines:
+        return []
+    return ["", "Auto against dense and against the best of dense and the forced exchanges "
+            "(same run):", "", "| rate | compression | ÷ dense | ÷ best |", "|---|---|---:|---:|",
+            *lines]
 
 
 def _history(history: list[dict[str, Any]]) -> str:
@@ -662,11 +703,18 @@ def main(argv: list[str] | None = None) -> int:
         "is in force from iteration 12)",
     )
     parser.add_argument(
+        "--warmup-trials",
+        type=int,
+        default=52,
+        help="warm-up for topk:R:auto (the exchanges are measured a round each, the "
+        "fastest is in force by iteration 52)",
+    )
+    parser.add_argument(
         "--warmup-auto",
         type=int,
-        default=32,
-        help="warm-up for topk:auto (exploration ends, the Pareto pick is in "
-        "force from iteration 32)",
+        default=82,
+        help="warm-up for topk:auto (three ratios explored, then the exchanges measured "
+        "at the Pareto pick: in force by iteration 82)",
     )
     parser.add_argument("--iterations", type=int, default=20, help="measured iterations")
     parser.add_argument(
@@ -680,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--live-mode", default="topk:0.01:auto", help="compression of the live job")
     parser.add_argument(
-        "--live-iterations", type=int, default=40, help="iterations of the live job per rate"
+        "--live-iterations", type=int, default=100, help="iterations of the live job per rate"
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -695,8 +743,6 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in args.live.split(";")
         if scenario.strip()
     ]
-    from commd.compression.topk import parse_compression
-
     for mode in [*args.modes, args.live_mode]:
         parse_compression(mode)  # a typo fails here, not after the namespaces are up
     ok, why = available()

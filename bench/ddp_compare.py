@@ -5,14 +5,22 @@ Two nodes with one rank each:
 - loopback: two daemons on 127.0.0.1 (torch DDP: two ranks on 127.0.0.1);
 - limited: two network namespaces whose links are shaped with `tc … tbf rate RATE`
   (bench/netbed.py); node 1's daemon and rank run inside its namespace. Needs root and
-  `ip netns`; skipped otherwise.
+  `ip netns`; skipped otherwise. One bed per rate of ``--rates``.
 
-Every rank trains the same model on its own synthetic data with SGD; the step time (zero_grad,
-forward, backward, step) is measured after ``--warmup`` steps, so commd's runtime profiler has
-re-planned by then. Prints a table with the ratio commd/torch (below 1: commd is faster).
+Without ``--compression``, every rank trains the listed models on one fixed synthetic batch of
+its own with SGD; the step time (zero_grad, forward, backward, step) is measured after
+``--warmup`` steps, so commd's runtime profiler has re-planned by then. Prints a table with the
+ratio commd/torch (below 1: commd is faster).
+
+With ``--compression none,topk:0.01,topk:auto`` it compares gradient compressions on a task
+that can be learnt (bench/ddp_tasks.py: deep_mlp on a fixed random teacher, a fresh batch per
+rank and step, the same seeds for every variant): commd DDP once per value, torch DDP dense and
+torch DDP with its PowerSGD comm hook. Per link a table of step time (against torch DDP dense)
+and final loss (against commd dense); ``--plot`` draws the loss curves.
 
     python bench/ddp_compare.py                       # both links, default models
-    python bench/ddp_compare.py --rate 100mbit --steps 20
+    python bench/ddp_compare.py --rates 100mbit --steps 20
+    python bench/ddp_compare.py --compression none,topk:0.01,topk:auto --plot loss.png
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import functools
 import itertools
 import json
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -30,22 +39,40 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from commd.testing.processes import finish, start_json_worker, stop_process
+from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
 
 HERE = Path(__file__).resolve()
 _JOBS = itertools.count()
-sys.path.insert(0, str(HERE.parent))  # netbed
+sys.path.insert(0, str(HERE.parent))  # netbed, ddp_tasks
+
+import ddp_tasks  # noqa: E402  (a sibling file, found through the line above)
 
 MODELS = {
     # name: (description, batch size)
     "small_cnn": ("commd.models small_cnn: 10 tensors, 0.59 M parameters", 32),
     "deep_mlp": ("48 x Linear(256, 256): 96 small tensors, 3.2 M parameters", 64),
 }
+LOSS_TAIL = 10  # the final loss: the mean of the last this many steps
+SMOOTH = 9  # steps in the plot's centred moving average
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of averaging gradients: ``impl`` torch or commd, with a compression."""
+
+    impl: str
+    compression: str = "none"  # commd's compression=, or "powersgd" (torch's comm hook)
+
+    @property
+    def label(self) -> str:
+        if self.impl == "torch":
+            return "torch DDP PowerSGD" if self.compression == "powersgd" else "torch DDP"
+        return f"commd {self.compression}"
 
 
 # --- the model and one rank's training loop (runs in the rank's process) --------------------------
@@ -78,51 +105,91 @@ def synthetic_batch(name: str, rank: int, batch: int) -> tuple[Any, Any]:
                                                                      generator=gen)
 
 
+def wrap(model: Any, spec: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+    """The model in torch's or commd's DDP, and how to close it."""
+    if spec["impl"] == "torch":
+        return wrap_torch(model, spec)
+    from commd_client.torch import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(
+        model, job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
+        local_rank=0, local_world_size=1, coordinator=spec["coordinator"],
+        socket=spec["socket"], planner=spec["planner"], timeout=spec["timeout"],
+        compression=spec["compression"],
+    )
+    return wrapped, wrapped.close
+
+
+def wrap_torch(model: Any, spec: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+    """torch DDP over Gloo, dense or with torch's PowerSGD comm hook."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
+        world_size=spec["world_size"],
+    )
+    if spec["compression"] != "powersgd":
+        return TorchDDP(model), dist.destroy_process_group
+    # One bucket: the hook issues its P and Q all-reduces from Gloo's callback thread, so with
+    # two buckets they race the next bucket's all-reduce and the ranks' collectives mismatch
+    # ("op.preamble.length <= op.nbytes"); torch's default buckets make two of deep_mlp.
+    size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    wrapped = TorchDDP(model, bucket_cap_mb=int(size_mb) + 1)
+    # Error feedback and warm start are on by default; with them torch needs start ≥ 2.
+    state = psgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=spec["powersgd_rank"],
+        start_powerSGD_iter=spec["powersgd_start"],
+    )
+    wrapped.register_comm_hook(state, psgd.powerSGD_hook)
+    return wrapped, dist.destroy_process_group
+
+
+def batches(spec: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """The teacher task draws a fresh batch every step; the timing task reuses one."""
+    if spec["task"] == "teacher":
+        stream = ddp_tasks.TeacherStream(spec["rank"], spec["batch"])
+        while True:
+            yield stream.next()
+    yield from itertools.repeat(synthetic_batch(spec["model"], spec["rank"], spec["batch"]))
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(spec["threads"])
-    model = build_model(spec["model"])
-    if spec["impl"] == "torch":
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
-            world_size=spec["world_size"],
-        )
-        wrapped: Any = TorchDDP(model)
-        close: Callable[[], None] = dist.destroy_process_group
+    teacher = spec["task"] == "teacher"
+    model = ddp_tasks.deep_mlp() if teacher else build_model(spec["model"])
+    wrapped, close = wrap(model, spec)
+    if teacher:
+        optimizer = ddp_tasks.optimizer(wrapped.parameters(), spec["lr"])
     else:
-        from commd_client.torch import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(
-            model, job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
-            local_rank=0, local_world_size=1, coordinator=spec["coordinator"],
-            socket=spec["socket"], planner=spec["planner"], timeout=spec["timeout"],
-        )
-        close = wrapped.close
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
-    x, y = synthetic_batch(spec["model"], spec["rank"], spec["batch"])
-    times = []
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    loss_of = ddp_tasks.loss if teacher else F.cross_entropy
+    times, losses = [], []
     phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer step
+    data = batches(spec)
     for _ in range(spec["warmup"] + spec["steps"]):
+        x, y = next(data)  # outside the timed step, as a data loader's prefetch would be
         start = time.perf_counter()
         optimizer.zero_grad()
-        loss = F.cross_entropy(wrapped(x), y)
+        loss = loss_of(wrapped(x), y)
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - start)
         phases.append((forward - start, backward - forward, start + times[-1] - backward))
+        losses.append(float(loss.detach()))
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     close()
     measured = times[spec["warmup"]:]
     split = [1e3 * statistics.fmean(p[i] for p in phases[spec["warmup"]:]) for i in range(3)]
     return {"mean_ms": 1e3 * statistics.fmean(measured), "phases_ms": split,
-            "median_ms": 1e3 * statistics.median(measured), "checksum": checksum}
+            "median_ms": 1e3 * statistics.median(measured), "checksum": checksum,
+            "losses": losses}
 
 
 # --- daemons and ranks as processes, on loopback or inside namespaces -----------------------------
@@ -169,6 +236,7 @@ def daemons(nodes: Sequence[Node], workdir: str) -> Iterator[None]:
         for node in nodes:
             if node.daemon is not None:  # EOF: it stops its daemon and exits
                 stop_process(node.daemon, grace_s=30, close_stdin=True)
+                node.daemon = None
 
 
 def model_and_batch(entry: str, args: argparse.Namespace) -> tuple[str, int]:
@@ -179,19 +247,22 @@ def model_and_batch(entry: str, args: argparse.Namespace) -> tuple[str, int]:
     return name, int(batch) if batch else args.batch_size or MODELS[name][1]
 
 
-def run_job(impl: str, entry: str, nodes: Sequence[Node], args: argparse.Namespace,
+def run_job(variant: Variant, entry: str, nodes: Sequence[Node], args: argparse.Namespace,
             tag: str) -> dict[str, Any]:
-    """One job of len(nodes) ranks; returns rank 0's timings and whether the ranks agree."""
+    """One job of len(nodes) ranks; returns rank 0's timings, the ranks' mean loss per step
+    and whether the ranks agree."""
     port = free_port() if nodes[0].host == "127.0.0.1" else 29000 + os.getpid() % 1000
     model, batch = model_and_batch(entry, args)
-    job = f"bench-{tag.replace(' ', '-')}-{model}-{impl}-{os.getpid()}-{next(_JOBS)}"
+    name = f"{variant.impl}-{variant.compression.replace(':', '')}"
+    job = f"bench-{tag.replace(' ', '-')}-{model}-{name}-{os.getpid()}-{next(_JOBS)}"
     processes = []
     for rank, node in enumerate(nodes):
         spec = {
-            "impl": impl, "model": model, "rank": rank, "world_size": len(nodes),
-            "batch": batch, "warmup": args.warmup,
-            "steps": args.steps, "threads": args.threads, "planner": args.planner,
-            "timeout": args.timeout, "job": job,
+            "impl": variant.impl, "compression": variant.compression, "task": args.task,
+            "model": model, "rank": rank, "world_size": len(nodes), "batch": batch,
+            "warmup": args.warmup, "steps": args.steps, "threads": args.threads,
+            "planner": args.planner, "timeout": args.timeout, "job": job, "lr": args.lr,
+            "powersgd_rank": args.powersgd_rank, "powersgd_start": args.powersgd_start,
             "coordinator": nodes[0].address, "socket": node.socket,
             "master": f"{nodes[0].host}:{port}",
         }
@@ -201,11 +272,13 @@ def run_job(impl: str, entry: str, nodes: Sequence[Node], args: argparse.Namespa
     results = []
     for rank, done in enumerate(finish(processes, args.timeout)):
         if done.returncode != 0:
-            raise RuntimeError(f"{impl} rank {rank} failed (daemon logs in "
+            raise RuntimeError(f"{variant.label} rank {rank} failed (daemon logs in "
                                f"{Path(nodes[rank].socket).parent}):\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     agree = len({round(r["checksum"], 6) for r in results}) == 1
-    return {**results[0], "agree": agree}
+    losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in results),
+                                                     strict=True)]
+    return {**results[0], "losses": losses, "agree": agree}
 
 
 def free_port() -> int:
@@ -214,20 +287,38 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-# --- the comparison ---------------------------------------------------------------------------
+@dataclass
+class Workdir:
+    """The daemons' logs: kept with --keep-logs, on an error or when ``keep`` is set."""
+
+    path: str
+    keep: bool = False
+
+
+@contextlib.contextmanager
+def job_workdir(args: argparse.Namespace) -> Iterator[Workdir]:
+    workdir = Workdir(tempfile.mkdtemp(prefix="commd-bench-"), args.keep_logs)
+    yield workdir
+    if workdir.keep:
+        print(f"  daemon logs: {workdir.path}")
+    else:
+        shutil.rmtree(workdir.path, ignore_errors=True)
+
+
+# --- the comparison without compression: step time per model --------------------------------------
 
 
 def compare(link: str, nodes: Sequence[Node], models: Sequence[str],
             args: argparse.Namespace) -> list[list[str]]:
     rows = []
-    workdir = tempfile.mkdtemp(prefix="commd-bench-")  # daemon logs stay there on a failure
-    with daemons(nodes, workdir):
+    impls = args.impls.split(",")
+    with job_workdir(args) as workdir, daemons(nodes if "commd" in impls else [], workdir.path):
         for model in models:
             means: dict[str, list[float]] = {"torch": [], "commd": []}
             agree = True
             for repeat in range(args.repeats):  # alternate, so load drifts hit both alike
-                for impl in args.impls.split(","):
-                    result = run_job(impl, model, nodes, args, link)
+                for impl in impls:
+                    result = run_job(Variant(impl), model, nodes, args, link)
                     means[impl].append(result["mean_ms"])
                     agree = agree and result["agree"]
                     print(f"  {link} {model} #{repeat + 1} {impl}: {result['mean_ms']:.1f} ms "
@@ -239,78 +330,197 @@ def compare(link: str, nodes: Sequence[Node], models: Sequence[str],
             name, batch = model_and_batch(model, args)
             rows.append([link, f"{name}, batch {batch}", f"{torch_ms:.1f}", f"{commd_ms:.1f}",
                          f"{commd_ms / torch_ms:.2f}", "yes" if agree else "NO"])
-    if args.keep_logs:
-        print(f"  daemon logs: {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     return rows
+
+
+def timing_tables(args: argparse.Namespace) -> str:
+    rows = []
+    if not args.skip_loopback:
+        rows += compare("loopback", loopback_nodes(2), args.loopback_models.split(","), args)
+    for rate in [] if args.skip_limited else args.rates.split(","):
+        with limited_link(rate) as nodes:
+            if nodes is not None:
+                rows += compare(f"tbf {rate}", nodes, args.limited_models.split(","), args)
+    header = ["link", "model", "torch ms/step", "commd ms/step", "commd/torch", "ranks agree"]
+    return markdown_table(header, rows)
+
+
+# --- the comparison with compression: step time and loss per variant ------------------------------
+
+
+@dataclass
+class Outcome:
+    """What the repeats of one variant on one link gave."""
+
+    means_ms: list[float] = field(default_factory=list)
+    curves: list[list[float]] = field(default_factory=list)  # loss per step, per repeat
+    agree: bool = True
+    errors: list[str] = field(default_factory=list)
+
+    def mean_curve(self) -> list[float]:
+        return [statistics.fmean(step) for step in zip(*self.curves, strict=True)]
+
+    def final_loss(self) -> float:
+        return statistics.fmean(self.mean_curve()[-LOSS_TAIL:])
+
+
+def variants_of(args: argparse.Namespace) -> list[Variant]:
+    impls = args.impls.split(",")
+    chosen = [Variant("torch")] if "torch" in impls else []
+    chosen += [Variant("torch", "powersgd")] if "powersgd" in impls else []
+    if "commd" in impls:
+        chosen += [Variant("commd", value) for value in args.compression.split(",")]
+    return chosen
+
+
+def run_variants(link: str, nodes: Sequence[Node], args: argparse.Namespace
+                 ) -> dict[Variant, Outcome]:
+    """Every variant ``--repeats`` times, alternating; a failed job is reported, not fatal
+    (the daemon may be mid-change), and the others go on."""
+    variants = variants_of(args)
+    outcomes = {variant: Outcome() for variant in variants}
+    commd = any(variant.impl == "commd" for variant in variants)
+    entry = f"deep_mlp@{args.batch_size or MODELS['deep_mlp'][1]}"
+    with job_workdir(args) as workdir, daemons(nodes if commd else [], workdir.path):
+        for repeat, variant in itertools.product(range(args.repeats), variants):
+            outcome = outcomes[variant]
+            started = time.monotonic()
+            try:
+                result = run_job(variant, entry, nodes, args, link)
+            except (RuntimeError, FinishTimeout) as exc:
+                outcome.errors.append(str(exc))
+                workdir.keep = True  # the error names the daemons' logs
+                print(f"  {link} #{repeat + 1} {variant.label}: FAILED\n{exc}", flush=True)
+                continue
+            outcome.means_ms.append(result["mean_ms"])
+            outcome.curves.append(result["losses"])
+            outcome.agree = outcome.agree and result["agree"]
+            print(f"  {link} #{repeat + 1} {variant.label}: {result['mean_ms']:.1f} ms per step "
+                  f"(median {result['median_ms']:.1f}), final loss "
+                  f"{statistics.fmean(result['losses'][-LOSS_TAIL:]):.3f}, ranks agree "
+                  f"{result['agree']}, {time.monotonic() - started:.0f} s", flush=True)
+    return outcomes
+
+
+def variant_table(outcomes: dict[Variant, Outcome]) -> str:
+    """variant, ms/step, against torch DDP, final loss, against commd dense, ranks agree."""
+    torch_dense = outcomes.get(Variant("torch"))
+    commd_dense = outcomes.get(Variant("commd", "none"))
+    torch_ms = statistics.median(torch_dense.means_ms) if torch_dense and \
+        torch_dense.means_ms else None
+    dense_loss = commd_dense.final_loss() if commd_dense and commd_dense.curves else None
+    rows = []
+    for variant, outcome in outcomes.items():
+        if not outcome.means_ms:
+            rows.append([variant.label, "failed", "-", "-", "-", "-"])
+            continue
+        ms, loss = statistics.median(outcome.means_ms), outcome.final_loss()
+        spread = (f" ({min(outcome.means_ms):.0f}–{max(outcome.means_ms):.0f})"
+                  if len(outcome.means_ms) > 1 else "")
+        rows.append([
+            variant.label, f"{ms:.1f}{spread}", f"{ms / torch_ms:.2f}" if torch_ms else "-",
+            f"{loss:.3f}", f"{loss / dense_loss:.3f}" if dense_loss else "-",
+            "yes" if outcome.agree else "NO",
+        ])
+    header = ["variant", "ms/step", "× torch DDP", f"final loss (last {LOSS_TAIL})",
+              "× commd none", "ranks agree"]
+    return markdown_table(header, rows)
+
+
+def compression_tables(args: argparse.Namespace) -> dict[str, dict[Variant, Outcome]]:
+    """Every link's outcomes; prints each link's table as soon as it is done."""
+    links: dict[str, dict[Variant, Outcome]] = {}
+
+    def measure(link: str, nodes: Sequence[Node]) -> None:
+        links[link] = run_variants(link, nodes, args)
+        print(f"\n{link}:\n{variant_table(links[link])}\n", flush=True)
+
+    if not args.skip_loopback:
+        measure("loopback", loopback_nodes(2))
+    for rate in [] if args.skip_limited else args.rates.split(","):
+        with limited_link(rate) as nodes:
+            if nodes is not None:
+                measure(f"tbf {rate}", nodes)
+    return links
+
+
+def smooth(values: Sequence[float], window: int = SMOOTH) -> list[float]:
+    """Centred moving average; shorter windows at the ends."""
+    half = window // 2
+    return [statistics.fmean(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+
+
+def plot(path: str, links: dict[str, dict[Variant, Outcome]], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = {link: outcomes for link, outcomes in links.items()
+             if any(o.curves for o in outcomes.values())}
+    if not shown:
+        print(f"  no loss curves to plot: {path} not written")
+        return
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 4.4), sharey=True,
+                             squeeze=False)
+    for ax, (link, outcomes) in zip(axes[0], shown.items(), strict=True):
+        for variant, outcome in outcomes.items():
+            if outcome.curves:
+                torch = variant.impl == "torch"  # dashed, on top: torch DDP ≡ commd none
+                ax.plot(smooth(outcome.mean_curve()), "--" if torch else "-",
+                        label=variant.label, linewidth=1.2, zorder=3 if torch else 2)
+        ax.axvline(args.warmup, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(link)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("training loss (cross-entropy)")
+    axes[0][0].legend(fontsize=8)
+    fig.text(0.5, 0.01, f"deep_mlp on a random teacher, 2 nodes × 1 rank, batch "
+             f"{args.batch_size or MODELS['deep_mlp'][1]} per rank; each step's loss on fresh "
+             f"data, mean of the 2 ranks, smoothed by a centred {SMOOTH}-step moving average; "
+             "dotted: end of the warm-up", ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"  loss curves: {path}")
+
+
+def save_json(path: str, links: dict[str, dict[Variant, Outcome]], command: str) -> None:
+    data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "links": {
+        link: {variant.label: {"means_ms": o.means_ms, "losses": o.curves, "agree": o.agree,
+                               "errors": o.errors} for variant, o in outcomes.items()}
+        for link, outcomes in links.items()}}
+    Path(path).write_text(json.dumps(data, indent=1))
+    print(f"  every step's loss and every repeat's time: {path}")
+
+
+# --- links ----------------------------------------------------------------------------------------
 
 
 def loopback_nodes(count: int) -> list[Node]:
     return [Node("127.0.0.1", lambda command: command, "lo") for _ in range(count)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
-    parser.add_argument("--warmup", type=int, default=100,
-                        help="unmeasured first steps (default 100: commd's plan search "
-                             "measures a few plans for 10 steps each first)")
-    parser.add_argument("--rate", default="1gbit", help="limited link's tbf rate (1gbit)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--loopback-models", default="small_cnn,deep_mlp",
-                        help="comma-separated; MODEL@BATCH sets that row's batch size")
-    parser.add_argument("--limited-models", default="deep_mlp,deep_mlp@256",
-                        help="comma-separated; MODEL@BATCH sets that row's batch size")
-    parser.add_argument("--batch-size", type=int, default=0,
-                        help="per-rank batch for every model (default: each model's own)")
-    parser.add_argument("--skip-loopback", action="store_true")
-    parser.add_argument("--skip-limited", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per implementation, alternating; the table shows medians")
-    parser.add_argument("--planner", default=None,
-                        help="commd merge planner (default: the daemon's, optimal)")
-    parser.add_argument("--impls", default="torch,commd",
-                        help="which to run (e.g. commd alone, to look at its daemons' logs "
-                             "with --keep-logs)")
-    parser.add_argument("--keep-logs", action="store_true",
-                        help="keep the daemons' logs (the directory is printed)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per job, seconds")
-    args = parser.parse_args()
-
-    print(f"commd DDP vs torch DDP (Gloo), 2 nodes x 1 rank, {args.warmup} warm-up + "
-          f"{args.steps} measured steps, {args.threads} torch thread(s) per rank, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    for name, (description, batch) in MODELS.items():
-        print(f"  {name}: {description}, batch {args.batch_size or batch} per rank")
-    rows = []
-    if not args.skip_loopback:
-        rows += compare("loopback", loopback_nodes(2), args.loopback_models.split(","), args)
-    if not args.skip_limited:
-        rows += limited(args)
-    header = ["link", "model", "torch ms/step", "commd ms/step", "commd/torch", "ranks agree"]
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-    print(markdown_table(header, rows))
-    return 0
-
-
-def limited(args: argparse.Namespace) -> list[list[str]]:
+@contextlib.contextmanager
+def limited_link(rate: str) -> Iterator[list[Node] | None]:
+    """Two nodes in network namespaces, links shaped to ``rate``; None (and why, printed) when
+    namespaces cannot be used here."""
     from netbed import NetBed, NetBedUnavailable, available
 
     ok, why = available()
     if not ok:
         print(f"  limited link skipped: {why}")
-        return []
-    try:
-        with NetBed(nodes=2, rate=args.rate) as bed:
-            nodes = [
-                Node(bed.address(i), functools.partial(bed.argv, i), "eth0")
-                for i in range(2)
-            ]
-            return compare(f"tbf {args.rate}", nodes, args.limited_models.split(","), args)
-    except NetBedUnavailable as exc:
-        print(f"  limited link skipped: {exc}")
-        return []
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            bed = stack.enter_context(NetBed(nodes=2, rate=rate))
+        except NetBedUnavailable as exc:
+            print(f"  limited link skipped: {exc}")
+            bed = None
+        yield None if bed is None else [
+            Node(bed.address(i), functools.partial(bed.argv, i), "eth0") for i in range(2)
+        ]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -320,6 +530,137 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
               for row in rows]
     return "\n".join(lines)
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " With --compression: gradient compressions, "
+        "step time and training loss.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--compression", default=None, metavar="LIST",
+                   help="comma-separated commd compressions, e.g. none,topk:0.01,topk:auto "
+                        "(values as for DistributedDataParallel(compression=...)); each runs "
+                        "as a commd variant, besides torch DDP dense and PowerSGD, on the "
+                        "teacher task (bench/ddp_tasks.py). Without it: the step-time "
+                        "comparison of the models below, as before")
+    p.add_argument("--impls", default=None,
+                   help="which variants run: torch (DDP dense), powersgd (torch DDP with its "
+                        "PowerSGD hook; needs --compression), commd (once per --compression "
+                        "value, else dense). Default torch,commd; with --compression "
+                        "torch,powersgd,commd")
+    p.add_argument("--steps", type=int, default=50,
+                   help="measured steps, after the warm-up (default 50)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="unmeasured first steps (default 100: commd's plan search, and "
+                        "topk:auto's exploration, take the first 60-80 steps); the loss is "
+                        "recorded from step 0")
+    p.add_argument("--rates", "--rate", dest="rates", default=None,
+                   help="comma-separated tbf rates of the limited links, one test bed each "
+                        "(default 1gbit; with --compression 1gbit,100mbit)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--loopback-models", default="small_cnn,deep_mlp",
+                   help="without --compression: comma-separated; MODEL@BATCH sets that row's "
+                        "batch size")
+    p.add_argument("--limited-models", default="deep_mlp,deep_mlp@256",
+                   help="without --compression: comma-separated; MODEL@BATCH sets that row's "
+                        "batch size")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="per-rank batch for every model (default: each model's own; "
+                        "deep_mlp's is 64)")
+    p.add_argument("--skip-loopback", action="store_true", help="no loopback link")
+    p.add_argument("--skip-limited", action="store_true", help="no tbf-limited links")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per variant, alternating; tables show medians (default 3; with "
+                        "--compression 1)")
+    p.add_argument("--planner", default=None,
+                   help="commd merge planner (default: the daemon's, optimal)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the daemons' logs (the directory is printed)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="per job, seconds (default 120; with --compression 600)")
+    compression_options(p)
+    return p
+
+
+def compression_options(p: argparse.ArgumentParser) -> None:
+    """The options that only --compression uses."""
+    p.add_argument("--lr", type=float, default=ddp_tasks.DEFAULT_LR,
+                   help="with --compression: SGD learning rate (momentum "
+                        f"{ddp_tasks.MOMENTUM}; default {ddp_tasks.DEFAULT_LR})")
+    p.add_argument("--powersgd-rank", type=int, default=4,
+                   help="PowerSGD's matrix_approximation_rank (default 4)")
+    p.add_argument("--powersgd-start", type=int, default=10,
+                   help="PowerSGD's start_powerSGD_iter: dense all-reduce before it (default "
+                        "10; torch needs ≥ 2 with its default error feedback and warm start)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="with --compression: write the loss curves, one subplot per link, "
+                        "as a PNG")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="with --compression: write every step's loss and every repeat's "
+                        "step time as JSON")
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """The defaults that depend on --compression, and checks."""
+    compressing = args.compression is not None
+    args.task = "teacher" if compressing else "fixed"
+    # One repeat with compression: the 100mbit dense jobs alone take ~3 minutes each.
+    defaults = ({"impls": "torch,powersgd,commd", "rates": "1gbit,100mbit", "repeats": 1,
+                 "timeout": 600.0} if compressing else
+                {"impls": "torch,commd", "rates": "1gbit", "repeats": 3, "timeout": 120.0})
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    valid = {"torch", "powersgd", "commd"} if compressing else {"torch", "commd"}
+    unknown = set(args.impls.split(",")) - valid
+    if unknown:
+        raise SystemExit(f"--impls: unknown {', '.join(sorted(unknown))}; valid here: "
+                         f"{', '.join(sorted(valid))}")
+    if compressing and args.powersgd_start < 2:
+        raise SystemExit("--powersgd-start must be ≥ 2 (torch's rule with error feedback)")
+
+
+def header_lines(args: argparse.Namespace) -> Iterable[str]:
+    what = ("compressions" if args.compression is not None else "commd DDP vs torch DDP (Gloo)")
+    yield (f"{what}, 2 nodes x 1 rank, {args.warmup} warm-up + {args.steps} measured steps, "
+           f"{args.threads} torch thread(s) per rank, {os.cpu_count()} CPUs, load average "
+           f"{os.getloadavg()[0]:.1f}")
+    if args.compression is not None:
+        yield (f"  task: deep_mlp on a random teacher (bench/ddp_tasks.py), batch "
+               f"{args.batch_size or MODELS['deep_mlp'][1]} per rank, SGD lr {args.lr} "
+               f"momentum {ddp_tasks.MOMENTUM}; PowerSGD rank {args.powersgd_rank} from step "
+               f"{args.powersgd_start}")
+        return
+    for name, (description, batch) in MODELS.items():
+        yield f"  {name}: {description}, batch {args.batch_size or batch} per rank"
+
+
+def main() -> int:
+    args = parser().parse_args()
+    resolve(args)
+    command = shlex.join(["python", *sys.argv])
+    started = time.monotonic()
+    for line in header_lines(args):
+        print(line, flush=True)
+    if args.compression is None:
+        table = timing_tables(args)
+        print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+        print(table)
+    else:
+        links = compression_tables(args)
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+        for link, outcomes in links.items():
+            print(f"\n{link}:\n{variant_table(outcomes)}")
+        if args.plot:
+            plot(args.plot, links, args)
+        if args.json:
+            save_json(args.json, links, command)
+    print(f"\ncommand: {command}\ntook {time.monotonic() - started:.0f} s "
+          f"({time.strftime('%Y-%m-%d %H:%M')})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ def main() -> None:
                     )
                 if spec.get("progress_dir"):  # tell a rank that waits in await_others
                     Path(spec["progress_dir"], f"{spec['rank']}.{iteration}").touch()
+            if spec.get("status_at_end"):  # the job as the daemon shows it, still running
+                from commd.cli.status import query
+
+                out["status"] = next(j for j in query(spec["socket"])["jobs"]
+                                     if j["job"] == spec["job"])
     except CommdError as exc:
         out["error"] = str(exc)
         out["error_type"] = type(exc).__name__

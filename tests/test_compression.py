@@ -113,6 +113,28 @@ def test_ddp_with_compression_keeps_ranks_identical(start_daemon) -> None:
     assert len(sums) == 2 and sums[0] == sums[1], outputs
 
 
+@pytest.mark.timeout(180)
+def test_auto_measures_the_exchanges_and_runs_the_fastest(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    spec = JobSpec("topk-measured", nodes, 1, [("w", 200_000), ("b", 1000)], op="avg",
+                   iterations=60, planner="syncea", compression="topk:0.01",
+                   overrides={0: {"skip_results": True, "status_at_end": True},
+                              1: {"skip_results": True}})
+    results = collect(start_ranks(spec))
+    for result in results:
+        assert "error" not in result, result
+    assert results[0]["plans"] == results[1]["plans"], (results[0]["plans"], results[1]["plans"])
+    job = results[0]["status"]
+    assert job["selection"] == "measured", job
+    measured = {c["name"]: c["measured_s"] for c in job["candidates"]
+                if c["measured_s"] is not None}
+    assert len(measured) >= 2, job["candidates"]  # the model's best and at least one more
+    running = job["exchanges"][0]
+    name = "dense" if running == "dense" else f"{running}@0.01"
+    assert measured[name] <= min(measured.values()) * 1.05, (name, measured)
+    assert len(set(results[0]["plans"])) >= 2  # it did switch between candidates
+
+
 def test_the_model_depends_on_the_leader() -> None:
     """Guards the exact tests above: with these data, rotating the leader changes results."""
     sums = [sum(value(r, 0, 0, 40).astype(np.float32) for r in (2 * n, 2 * n + 1))

@@ -128,6 +128,11 @@ async def test_a_bad_join_is_refused_to_its_sender_and_nothing_else_changes(
     {"gains": [[0.5]]},
     {"gains": [[2.0, 1.0]]},
     {"step_s": -1.0},
+    {"cpu_s_per_element": [1e-9, 1e-9]},
+    {"cpu_s_per_element": [float("nan"), 1e-9, 0.0]},
+    {"cpu_s_per_element": [-1e-9, 1e-9, 0.0]},
+    {"cpu_s_per_element": [1e-9, 5.0, 0.0]},
+    {"cpu_s_per_element": [1e-9, 1e-9, 1e9]},
 ], ids=lambda value: str(value)[:30])
 async def test_a_malformed_report_fails_its_job_only(
         daemon: Daemon, peer: RawPeer, connect: Any,

@@ -102,7 +102,13 @@ def _details(job: JobStatus) -> list[str]:
         lines.append(
             f"{name}: compression {job.compression}: ratio {job.ratio or 0:.4g}, "
             f"groups by exchange: {counts or '-'}, gain {job.gain:.3f}"
+            + (f", exchange {job.selection}" if job.selection else "")
         )
+        if job.candidates:
+            lines.append(f"{name}: candidates (ms per iteration): " + ", ".join(
+                f"{c.name} predicted {c.predicted_s * 1e3:.1f}"
+                + (f" measured {c.measured_s * 1e3:.1f}" if c.measured_s is not None else "")
+                for c in job.candidates))
     if job.stall:
         lines.append(f"{name}: STALL ({job.stall_s:.0f}s): {job.stall}")
     if job.error:

@@ -9,83 +9,179 @@ residual (zero at the start), and leave R = E with the sent positions zeroed:
 * ``allgather``: every node sends its own top-k values and int32 indices; every node adds
   all received pairs into a zero buffer.
 
-The arithmetic runs on a worker thread (the event loop never blocks); the collectives are
-issued from the loop in the same order on every node.
+Groups are pipelined: a group's CPU work before the wire (E = S + R, the selection) runs as
+soon as its layers are ready, while earlier groups are still on the wire. Its collectives
+wait for their ``turn`` (the previous group has issued all of its own), so every node issues
+the same collectives in the same order. The arithmetic runs on worker threads (the event loop
+never blocks); the collectives are issued from the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from commd.compression.topk import accumulate_pairs, select_topk
+from commd.compression.kernels import accumulate_pairs, add_and_energy, put, take_and_clear
+from commd.compression.topk import TopkScratch, select_topk
 from commd.engines import Engine
+
+T = TypeVar("T")
+INLINE_ELEMENTS = 65_536  # groups up to this size are worked on the event loop itself
+
+
+class WireSpans(Protocol):
+    def span(self, launched: float) -> float:
+        """Seconds on the wire of a collective launched at ``launched`` that just ended."""
+        ...
+
+
+@dataclass
+class CpuTimes:
+    """One group's CPU work on this node, for the coordinator's cost model."""
+
+    elements: int  # the group's dense elements
+    select_s: float = 0.0  # the top-k selection (0: this node did not select)
+    update_s: float = 0.0  # E = S + R, taking the values and clearing them, the write-back
+    # the rest of the group's time, neither CPU work nor the values' wire nor waiting for its
+    # turn: hops to worker threads, the indices' broadcast, wake-ups
+    overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExchangeResult:
+    gain: float  # ‖E at the sent indices‖² / ‖E‖² on this node
+    wire_s: float  # the value collectives' time on the wire
+    cpu: CpuTimes
 
 
 @dataclass
 class GroupExchange:
-    """One compressed group of one iteration on this node."""
+    """Compressed groups of one job on this node."""
 
     engine: Engine | None  # None: a single-node job, nothing to exchange
     executor: Executor
     node_index: int
     nodes: int
     dtype: str
+    clock: WireSpans  # the job's wire clock: collectives queue one behind another
+    _scratches: list[TopkScratch] = field(default_factory=list)  # free, reused every iteration
 
-    async def _run(self, function, *args):  # type: ignore[no-untyped-def]
-        return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+    async def _timed(self, function: Callable[..., T], buffer: np.ndarray,
+                     *args: Any) -> tuple[T, float]:
+        """``function(buffer, *args)`` and the seconds it ran (not queued): on a worker
+        thread, or inline for a small buffer, where the hop would cost more than the work."""
+        def timed() -> tuple[T, float]:
+            began = time.perf_counter()
+            return function(buffer, *args), time.perf_counter() - began
 
-    async def allreduce(self, target: np.ndarray, residual: np.ndarray, k: int,
-                        leader: int) -> tuple[float, float]:
-        """STAR top-k; returns the compression gain ‖E at the sent indices‖² / ‖E‖² and the
-        seconds its all-reduce of k values took."""
-        await self._run(np.add, residual, target, residual)  # residual now holds E
+        if buffer.size <= INLINE_ELEMENTS:
+            return timed()
+        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+
+    async def _select(self, error: np.ndarray, k: int) -> tuple[np.ndarray, float]:
+        fits = [s for s in self._scratches if s.capacity >= error.size and s.dtype == error.dtype]
+        if fits:
+            scratch = fits[0]
+            self._scratches.remove(scratch)
+        else:  # the largest group so far: made once, reused in later iterations
+            scratch = TopkScratch(error.size, error.dtype)
+            self._scratches = [s for s in self._scratches if s.dtype != error.dtype]
+        try:
+            return await self._timed(select_topk, error, k, scratch)
+        finally:
+            self._scratches.append(scratch)
+
+    async def allreduce(self, target: np.ndarray, residual: np.ndarray, k: int, leader: int,
+                        turn: asyncio.Future[None], issued: asyncio.Future[None]
+                        ) -> ExchangeResult:
+        """STAR top-k; ``issued`` is set once both collectives are issued."""
+        began_group = time.perf_counter()
+        cpu = CpuTimes(target.size)
+        # E = S + R into the residual; the sum's buffer is zeroed in the same pass, ready
+        # for the result's few values.
+        energy, cpu.update_s = await self._timed(add_and_energy, residual, target, True)
         indices = np.zeros(k, dtype=np.int32)
         if self.node_index == leader:
-            indices[:] = await self._run(select_topk, residual, k)
-        if self.engine is not None:
-            await self.engine.broadcast(indices, leader, "int32")
-        values, gain = await self._run(_take, residual, indices)
-        began = time.perf_counter()
-        if self.engine is not None:
-            await self.engine.allreduce(values, self.dtype)
-        wire = time.perf_counter() - began
-        await self._run(_scatter, target, indices, values)
-        return gain, wire
+            indices, cpu.select_s = await self._select(residual, k)
+        try:
+            waited = await _waited(turn)
+            wire_s = 0.0
+            if self.engine is not None:
+                began = time.perf_counter()
+                await self.engine.broadcast(indices, leader, "int32")
+                self.clock.span(began)
+            (values, sent), took = await self._timed(take_and_clear, residual, indices)
+            cpu.update_s += took
+            if self.engine is not None:
+                began = time.perf_counter()
+                wire = self.engine.allreduce(values, self.dtype)
+                _set(issued)
+                await wire
+                wire_s = self.clock.span(began)
+        finally:
+            _set(issued)
+        _, took = await self._timed(put, target, indices, values)
+        cpu.update_s += took
+        cpu.overhead_s = _rest(began_group, waited, wire_s, cpu)
+        return ExchangeResult(_gain(sent, energy), wire_s, cpu)
 
-    async def allgather(self, target: np.ndarray, residual: np.ndarray,
-                        k: int) -> tuple[float, float]:
-        """Every node's own top-k pairs, summed; returns this node's compression gain and the
-        seconds its two allgathers took."""
-        await self._run(np.add, residual, target, residual)
-        indices = await self._run(select_topk, residual, k)
-        values, gain = await self._run(_take, residual, indices)
-        began = time.perf_counter()
-        if self.engine is None:
+    async def allgather(self, target: np.ndarray, residual: np.ndarray, k: int,
+                        turn: asyncio.Future[None], issued: asyncio.Future[None]
+                        ) -> ExchangeResult:
+        """Every node's own top-k pairs, summed; ``issued`` as for ``allreduce``."""
+        began_group = time.perf_counter()
+        cpu = CpuTimes(target.size)
+        # E = S + R into the residual; the sum's buffer is zeroed in the same pass, ready
+        # for the result's few values.
+        energy, cpu.update_s = await self._timed(add_and_energy, residual, target, True)
+        indices, cpu.select_s = await self._select(residual, k)
+        (values, sent), took = await self._timed(take_and_clear, residual, indices)
+        cpu.update_s += took
+        try:
+            waited = await _waited(turn)
+            wire_s = 0.0
             all_values, all_indices = values, indices
-        else:
-            all_values = np.empty(k * self.nodes, dtype=values.dtype)
-            all_indices = np.empty(k * self.nodes, dtype=np.int32)
-            await self.engine.allgather(all_values, values, self.dtype)
-            await self.engine.allgather(all_indices, indices, "int32")
-        wire = time.perf_counter() - began
-        await self._run(accumulate_pairs, target, all_indices, all_values)
-        return gain, wire
+            if self.engine is not None:
+                all_values = np.empty(k * self.nodes, dtype=values.dtype)
+                all_indices = np.empty(k * self.nodes, dtype=np.int32)
+                began = time.perf_counter()
+                wires = [self.engine.allgather(all_values, values, self.dtype),
+                         self.engine.allgather(all_indices, indices, "int32")]
+                _set(issued)
+                await asyncio.gather(*wires)
+                wire_s = self.clock.span(began)
+        finally:
+            _set(issued)
+        _, took = await self._timed(accumulate_pairs, target, all_indices, all_values, True)
+        cpu.update_s += took
+        cpu.overhead_s = _rest(began_group, waited, wire_s, cpu)
+        return ExchangeResult(_gain(sent, energy), wire_s, cpu)
 
 
-def _take(error: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, float]:
-    """The values to send, the gain, and the residual update R = E with them zeroed."""
-    values = error[indices]
-    total = float(np.dot(error, error))
-    gain = 1.0 if total == 0 else float(np.dot(values, values)) / total
-    error[indices] = 0
-    return values, gain
+async def _waited(turn: asyncio.Future[None]) -> float:
+    """Seconds spent waiting for the group's turn (earlier groups issuing)."""
+    if turn.done():
+        return 0.0
+    began = time.perf_counter()
+    await turn
+    return time.perf_counter() - began
 
 
-def _scatter(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
-    target[...] = 0
-    target[indices] = values
+def _rest(began: float, waited: float, wire_s: float, cpu: CpuTimes) -> float:
+    total = time.perf_counter() - began
+    return max(0.0, total - waited - wire_s - cpu.select_s - cpu.update_s)
+
+
+def _gain(sent: float, energy: float) -> float:
+    return 1.0 if energy <= 0 else min(1.0, sent / energy)
+
+
+def _set(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -17,13 +17,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commd.compression.costs import INDEX_BYTES, VALUE_BYTES, exchange_costs
+from commd.compression.costs import INDEX_BYTES, VALUE_BYTES
 from commd.compression.topk import RATIO_RANGE
 from commd.plan import LinearCost
 
 ASF_WEIGHTS = (0.6, 0.4)  # time, 1/gain — the paper's weights
-RESOLVE_CHANGE = 0.10  # re-solve the ratio when α, β or the smoothed gain move this much
 EXPLORE_RATIOS = (0.1, 0.01, 0.001)  # tried in turn before the gain model is fitted
+
+
+@dataclass(frozen=True)
+class CpuCost:
+    """A node's CPU work per dense element of a compressed group, measured like a and b."""
+
+    select_s_per_element: float  # the top-k selection
+    update_s_per_element: float  # E = S + R, take and clear, scatter or accumulate
+    per_group_s: float = 0.0  # hops to worker threads, the indices' broadcast, wake-ups
+
+    @property
+    def per_element(self) -> float:
+        return self.select_s_per_element + self.update_s_per_element
+
+
+NO_CPU = CpuCost(0.0, 0.0)
+# Before any node has measured: the fast path's order of magnitude on a small, shared machine
+# (bench/topk.py); the first measured round replaces it.
+DEFAULT_CPU = CpuCost(select_s_per_element=3e-9, update_s_per_element=3e-9, per_group_s=1e-3)
 
 
 @dataclass(frozen=True)
@@ -40,41 +58,23 @@ def link_cost(cost: LinearCost, nodes: int) -> LinkCost:
 
 
 def compressed_cost(exchange: str, nodes: int, link: LinkCost, ratio: float,
-                    itemsize: int) -> LinearCost:
-    """A group's exchange cost as a + b·(dense bytes) (k rounded as a fraction)."""
+                    itemsize: int, cpu: CpuCost = NO_CPU) -> LinearCost:
+    """A group's exchange cost as a + b·(dense bytes) (k rounded as a fraction), with the
+    node's CPU work per dense byte in b and its per-group overhead in a."""
+    cpu_per_byte = cpu.per_element / itemsize
     if nodes < 2:
-        return LinearCost(0.0, 0.0)
+        return LinearCost(cpu.per_group_s, cpu_per_byte)
     log_n = math.log2(nodes)
     per_dense_byte = ratio / itemsize  # k per dense byte
     if exchange == "allgather":
         return LinearCost(
-            alpha_s=link.alpha_s * log_n,
+            alpha_s=link.alpha_s * log_n + cpu.per_group_s,
             beta_s_per_byte=(nodes - 1) * (VALUE_BYTES + INDEX_BYTES) * per_dense_byte
-            * link.beta_s_per_byte,
+            * link.beta_s_per_byte + cpu_per_byte,
         )
-    alpha = link.alpha_s * (log_n + 2 * (nodes - 1))
+    alpha = link.alpha_s * (log_n + 2 * (nodes - 1)) + cpu.per_group_s
     beta = (log_n * INDEX_BYTES + 2 * (nodes - 1) / nodes * VALUE_BYTES) * per_dense_byte
-    return LinearCost(alpha_s=alpha, beta_s_per_byte=beta * link.beta_s_per_byte)
-
-
-def choose_exchange(requested: str, nodes: int, link: LinkCost, elements: int,
-                    ratio: float) -> str:
-    """The requested exchange, or with ``auto`` the cheaper one by the cost models."""
-    if requested != "auto":
-        return requested
-    if nodes < 2:
-        return "allreduce"
-    # The engine's all-reduce is a ring: compare with that, not with the tree model.
-    costs = exchange_costs(nodes, link.alpha_s, link.beta_s_per_byte, elements, ratio)
-    return "allgather" if costs.allgather_s <= costs.allreduce_ring_s else "allreduce"
-
-
-def exchange_time(exchange: str, nodes: int, link: LinkCost, elements: int,
-                  ratio: float) -> float:
-    if nodes < 2:
-        return 0.0
-    costs = exchange_costs(nodes, link.alpha_s, link.beta_s_per_byte, elements, ratio)
-    return costs.allgather_s if exchange == "allgather" else costs.allreduce_ring_s
+    return LinearCost(alpha_s=alpha, beta_s_per_byte=beta * link.beta_s_per_byte + cpu_per_byte)
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,11 @@ def pick_ratio(time_of: Callable[[float], float], model: GainModel,
     """The ratio picked from the Pareto front of (time, 1/gain), and the front.
 
     With one variable the front is computed exactly on a fine log grid over RATIO_RANGE:
-    keep the points no other point beats on both objectives. Each objective is normalised
-    to [0, 1] over the front (ideal → 0, nadir → 1) and the pick minimises the achievement
-    scalarizing function max(w_time·time, w_gain·(1/gain)).
+    keep the points no other point beats on both objectives. 1/gain is normalised over the
+    front (ideal → 0, nadir → 1); the time is the slowdown relative to the front's fastest
+    point — it is a whole step, compute included, and a difference matters in proportion to
+    the step (a front spanning 2 % of the step is no reason to give up gain). The pick
+    minimises the achievement scalarizing function max(w_time·time, w_gain·(1/gain)).
     """
     ratios = np.geomspace(RATIO_RANGE[0], RATIO_RANGE[1], grid)
     times = np.array([time_of(float(r)) for r in ratios])
@@ -115,7 +117,7 @@ def pick_ratio(time_of: Callable[[float], float], model: GainModel,
              if not np.any((times <= times[i]) & (inverse_gain <= inverse_gain[i])
                            & ((times < times[i]) | (inverse_gain < inverse_gain[i])))]
     f1, f2 = times[front], inverse_gain[front]
-    span1 = max(f1.max() - f1.min(), 1e-30)
+    span1 = max(abs(f1.min()), 1e-30)
     span2 = max(f2.max() - f2.min(), 1e-30)
     scores = np.maximum(ASF_WEIGHTS[0] * (f1 - f1.min()) / span1,
                         ASF_WEIGHTS[1] * (f2 - f2.min()) / span2)

@@ -190,6 +190,7 @@ class Coordinator:
             predicted_comm_s=decision.predicted_comm_s, reason=decision.reason,
             exchanges=decision.exchanges, ratio=decision.ratio,
             overhead_s=decision.overhead_s, search=decision.search,
+            selection=decision.selection, candidates=decision.candidates,
         )
         for member in formation.joins:
             self._send(member, message)

@@ -12,17 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commd.compression.planning import (
-    EXPLORE_RATIOS,
-    RESOLVE_CHANGE,
-    choose_exchange,
-    compressed_cost,
-    exchange_time,
-    fit_gain,
-    link_cost,
-    pick_ratio,
-)
-from commd.compression.topk import CompressionSpec, parse_compression
+from commd.compression.planning import compressed_cost, link_cost
+from commd.compression.topk import parse_compression
+from commd.coordinator.compression_policy import CompressionPolicy
+from commd.coordinator.exchange_trials import DENSE, Candidate
 from commd.coordinator.plan_search import PlanSearch
 from commd.plan import LinearCost, evaluate, plan_with
 from commd.plan.fitting import (
@@ -38,7 +31,6 @@ from commd_protocol.peer import DECISION_LAG
 
 DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a re-plan
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement
-GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
 SWITCH_GAIN = 0.01  # a drift re-plan must be predicted this much faster to replace the plan
 SEARCHED_PLANNERS = ("optimal", "mgwfbp")  # the planners whose plans depend on a
 
@@ -55,6 +47,10 @@ class Decision:
     ratio: float = 0.0
     overhead_s: float = 0.0  # the plan search's per-group overhead in the planning cost
     search: str = "off"  # the plan search's state: off, measuring, done
+    # compressed jobs: how the exchange was chosen (forced, exploring, measuring, measured)
+    # and (candidate, predicted s, measured s or -1) per candidate
+    selection: str = ""
+    candidates: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -71,47 +67,57 @@ class Replanner:
     cost: LinearCost | None = None
     planning_cost: LinearCost | None = None
     backward_s: list[float] = field(default_factory=list)
-    gains: list[tuple[float, float]] = field(default_factory=list)  # (ratio, gain)
     search: PlanSearch = field(default_factory=PlanSearch)
-    _spec: CompressionSpec | None = None
-    _ratio_basis: tuple[float, float, float] | None = None  # α, β, gain at the last solve
+    policy: CompressionPolicy | None = None  # None: a dense job
+    _next: Candidate | None = None  # what the plan being made runs (compressed jobs)
+    _network_epoch: int = -1  # compressed jobs: the trial epoch a, b were last fitted in
+    _network_cost: LinearCost | None = None  # compressed jobs: a, b from dense collectives
 
     def __post_init__(self) -> None:
-        self._spec = parse_compression(self.compression)
-        # Only plans that depend on a can be tuned by measuring; compressed jobs keep their
-        # ratio exploration free of a second search.
+        spec = parse_compression(self.compression)
+        if spec is not None:
+            self.policy = CompressionPolicy(spec, self.nodes, self.itemsize)
+        # Only plans that depend on a can be tuned by measuring; compressed jobs measure
+        # their exchanges instead, free of a second search.
         self.search.enabled = (self.planner in SEARCHED_PLANNERS and self.nodes > 1
-                               and self._spec is None)
+                               and spec is None)
 
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
         """The plan for the round all ``reports`` (one per node) belong to."""
         round_number = reports[0].round
         samples = combine_comm([r.comm for r in reports])
-        cost = self._fit(samples) or self.cost or FALLBACK_COST
+        cost = self._network(self._fit(samples), reports) or self.cost or FALLBACK_COST
         backward = self._backward(reports)
-        for report in reports:
-            self.gains.extend((r, g) for r, g in report.gains)
-        self.gains = self.gains[-GAIN_MEMORY:]
         reason = self._why_replan(cost, backward)
-        ratio, ratio_reason = self._choose_ratio(cost)
+        compression_reason = self._compression(reports, cost, backward)
+        if self.policy is not None and self.groups and not compression_reason:
+            # A compressed job keeps the plan its candidate was measured with: drift shows in
+            # the measured step, and the trials' watch acts on that.
+            reason = ""
         search_reason = self._search(reports, cost, backward)
-        reason = ", ".join(x for x in (reason, ratio_reason, search_reason) if x)
+        reason = ", ".join(x for x in (reason, compression_reason, search_reason) if x)
         if reason:
             previous = (self.groups, self.exchanges, self.ratio)
-            self.cost, self.backward_s, self.ratio = cost, backward, ratio
+            self.cost, self.backward_s = cost, backward
             groups, exchanges, self.planning_cost = self._plan(cost, backward)
-            forced = bool(search_reason or ratio_reason or self._spec is not None)
+            ratio = self.policy.ratio if self.policy is not None else 0.0
+            forced = bool(search_reason or compression_reason)
             if (groups, exchanges, ratio) != previous and (
                     forced or self._worth_switching(groups)):
                 self.version += 1
-                self.groups, self.exchanges = groups, exchanges
+                self.groups, self.exchanges, self.ratio = groups, exchanges, ratio
+                if self.policy is not None:
+                    self.policy.running = self._next
         assert self.cost is not None and self.planning_cost is not None
         timing = evaluate(self.groups, self.sizes_bytes, self.backward_s, self.planning_cost)
         last = max(r.iteration for r in reports)
         effective = 0 if round_number == 0 else last + 1 + DECISION_LAG
+        policy = self.policy
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, reason or "no drift", self.exchanges,
-                        self.ratio, self.search.overhead_s, self.search.state)
+                        self.ratio, self.search.overhead_s, self.search.state,
+                        policy.state if policy else "",
+                        policy.trials.table() if policy else [])
 
     def _worth_switching(self, groups: list[list[int]]) -> bool:
         """A drift re-plan replaces the current plan only if the model expects it to be
@@ -157,6 +163,21 @@ class Replanner:
             return LinearCost(alpha_s=self.cost.alpha_s, beta_s_per_byte=beta)
         return None
 
+    def _network(self, fitted: LinearCost | None,
+                 reports: Sequence[PeerProfile]) -> LinearCost | None:
+        """The network's a, b. A compressed job's few small collectives, timed between CPU
+        work on nodes that arrive at different moments, say little about the network: its
+        a, b come from the start-up probe and from rounds that ran dense only."""
+        policy = self.policy
+        if policy is None or fitted is None:
+            return fitted
+        probe = reports[0].round == 0
+        dense = (policy.running == DENSE and all(r.plan == self.version for r in reports))
+        if probe or dense or self._network_cost is None:
+            self._network_epoch = policy.trials.epoch
+            self._network_cost = fitted
+        return self._network_cost
+
     def _backward(self, reports: Sequence[PeerProfile]) -> list[float]:
         offsets = [r.ready_offsets_s for r in reports if r.ready_offsets_s]
         if not offsets:
@@ -182,65 +203,48 @@ class Replanner:
     def _elements(self, group: Sequence[int]) -> int:
         return max(1, sum(self.sizes_bytes[i] for i in group) // self.itemsize)
 
+    def _compression(self, reports: Sequence[PeerProfile], cost: LinearCost,
+                     backward: list[float]) -> str:
+        """Feed the policy the round; returns why the compressed plan changes ("" if not)."""
+        policy = self.policy
+        if policy is None:
+            return ""
+        whole_round = all(r.plan == self.version for r in reports) and bool(self.groups)
+        retrial = policy.observe(reports, whole_round)
+        groups = self.groups or [list(range(len(self.sizes_bytes)))]
+
+        def predict(candidate: Candidate) -> float:
+            planned, line = self._plan_candidate(candidate, cost, backward)
+            return evaluate(planned, self.sizes_bytes, backward, line).iteration_s
+
+        # Dense is measured in any case when a, b predate the latest re-measuring.
+        stale = self._network_epoch != policy.trials.epoch
+        self._next, why = policy.choose(cost, [self._elements(g) for g in groups], predict,
+                                        measure_dense=stale)
+        changed = self._next != policy.running
+        return ", ".join(x for x in (retrial, why if changed or retrial else "") if x)
+
+    def _plan_candidate(self, candidate: Candidate, measured: LinearCost,
+                        backward: list[float]) -> tuple[list[list[int]], LinearCost]:
+        assert self.policy is not None
+        if candidate.exchange == "dense":
+            # The daemon's own cost per group (wake-ups, completions) holds for dense groups
+            # too; without it noisy fits split the plan into dozens of groups.
+            line = LinearCost(measured.alpha_s + self.policy.cpu.per_group_s,
+                              measured.beta_s_per_byte)
+        else:
+            line = compressed_cost(candidate.exchange, self.nodes,
+                                   link_cost(measured, self.nodes), candidate.ratio,
+                                   self.itemsize, self.policy.cpu)
+        return plan_with(self.planner, self.sizes_bytes, backward, line), line
+
     def _plan(self, measured: LinearCost, backward: list[float],
               overhead_s: float | None = None) -> tuple[list[list[int]], list[str], LinearCost]:
         """Groups, per-group exchanges and the cost the plan was made with (the measured a
         plus the plan search's per-group overhead)."""
         overhead = self.search.overhead_s if overhead_s is None else overhead_s
         planning = LinearCost(measured.alpha_s + overhead, measured.beta_s_per_byte)
-        spec = self._spec
-        if spec is None:
+        if self.policy is None or self._next is None:
             return plan_with(self.planner, self.sizes_bytes, backward, planning), [], planning
-        link = link_cost(measured, self.nodes)
-        best: tuple[float, list[list[int]], LinearCost] | None = None
-        for exchange in ([spec.exchange] if spec.exchange != "auto"
-                         else ["allgather", "allreduce"]):
-            cost = compressed_cost(exchange, self.nodes, link, self.ratio, self.itemsize)
-            groups = plan_with(self.planner, self.sizes_bytes, backward, cost)
-            iteration = evaluate(groups, self.sizes_bytes, backward, cost).iteration_s
-            if best is None or iteration < best[0]:
-                best = (iteration, groups, cost)
-        assert best is not None
-        _, groups, cost = best
-        exchanges = [choose_exchange(spec.exchange, self.nodes, link, self._elements(g),
-                                     self.ratio) for g in groups]
-        return groups, exchanges, cost
-
-    def _choose_ratio(self, cost: LinearCost) -> tuple[float, str]:
-        """(ratio, why it changed or ""): fixed, exploring, or solved on the Pareto front."""
-        spec = self._spec
-        if spec is None:
-            return 0.0, ""
-        if spec.ratio is not None:
-            return spec.ratio, ""
-        tried = {r for r, _ in self.gains}
-        for ratio in EXPLORE_RATIOS:
-            if ratio not in tried:
-                return ratio, "" if ratio == self.ratio else f"exploring ratio {ratio:g}"
-        model = fit_gain(self.gains)
-        assert model is not None  # three ratios tried
-        at_current = [g for r, g in self.gains[-20:] if r == self.ratio]
-        gain_now = float(np.mean(at_current)) if at_current else float(model.gain(self.ratio))
-        basis = (cost.alpha_s, cost.beta_s_per_byte, gain_now)
-        if self._ratio_basis is not None and all(
-            relative_change(old, new) < RESOLVE_CHANGE
-            for old, new in zip(self._ratio_basis, basis, strict=True)
-        ):
-            return self.ratio, ""
-        self._ratio_basis = basis
-        link = link_cost(cost, self.nodes)
-        groups = self.groups or [list(range(len(self.sizes_bytes)))]
-        spec_exchange = spec.exchange
-
-        def time_of(ratio: float) -> float:
-            return sum(
-                exchange_time(
-                    choose_exchange(spec_exchange, self.nodes, link, self._elements(g), ratio),
-                    self.nodes, link, self._elements(g), ratio,
-                )
-                for g in groups
-            )
-
-        ratio, _front = pick_ratio(time_of, model)
-        changed = relative_change(self.ratio, ratio) >= RESOLVE_CHANGE
-        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF)" if changed else ""
+        groups, line = self._plan_candidate(self._next, measured, backward)
+        return groups, [self._next.exchange] * len(groups), line

@@ -16,6 +16,8 @@ from commd_protocol.checks import (
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 
 MAX_HOST_CHARS = 255  # a DNS name
+MAX_CPU_S_PER_ELEMENT = 1e-3  # a millisecond per element is no CPU, it is a lie
+MAX_GROUP_OVERHEAD_S = 60.0  # nor is a minute of overhead per group
 
 
 def join_problem(join: PeerJoin) -> str:
@@ -52,6 +54,11 @@ def profile_problem(profile: PeerProfile, layers: int) -> str:
     for row in profile.gains:
         if len(row) != 2 or not finite(row) or not 0 < row[0] <= 1:
             return f"gains row {row[:4]} must be [ratio in (0, 1], gain >= 0]"
+    cpu = profile.cpu_s_per_element
+    if cpu and (len(cpu) != 3 or not finite(cpu) or max(cpu[:2]) > MAX_CPU_S_PER_ELEMENT
+                or cpu[2] > MAX_GROUP_OVERHEAD_S):
+        return ("cpu_s_per_element must be [] or [selection s/element, update s/element, "
+                "overhead s/group], each >= 0")
     if not finite((profile.measured_comm_s, profile.iteration_s, profile.step_s)):
         return "measured_comm_s, iteration_s and step_s must be finite and >= 0"
     return ""

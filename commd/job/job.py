@@ -188,8 +188,8 @@ class Job:
     def wait(self, member: LocalRank, iteration: int) -> None:
         pipeline = self._running("wait")
         if iteration < pipeline.iteration:
-            version = pipeline.plan.version if pipeline.plan else 0
-            reply = replies.done(pipeline, member, iteration, version)
+            # Not the plan in force: the next iteration may have switched already.
+            reply = replies.done(pipeline, member, iteration, pipeline.done_plan)
             self.ctx.send_client(member.identity, reply)
         elif iteration == pipeline.iteration:
             member.waiting = iteration

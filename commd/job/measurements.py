@@ -41,9 +41,14 @@ class WireClock:
     def __init__(self) -> None:
         self._last_end = 0.0  # perf_counter when the previous collective finished
 
-    def ended(self) -> None:
-        """A collective timed elsewhere (a compressed exchange) has just finished."""
-        self._last_end = time.perf_counter()
+    def span(self, launched: float) -> float:
+        """A collective launched at ``launched`` (perf_counter) has just finished: its wire
+        time, from when it could start (launched, or the previous one's end, whichever is
+        later)."""
+        ended = time.perf_counter()
+        begin = max(launched, self._last_end)
+        self._last_end = ended
+        return ended - begin
 
     def timed(self, wire: asyncio.Future[Any], key: tuple[int, int], nbytes: int,
               samples: list[CommSample]) -> asyncio.Future[Any]:
@@ -53,13 +58,11 @@ class WireClock:
         launched = time.perf_counter()
 
         def record(done: asyncio.Future[Any]) -> None:
-            ended = time.perf_counter()
-            begin = max(launched, self._last_end)
-            self._last_end = ended
+            wall = self.span(launched)
             # A device engine measures the collective itself (timing events on its stream):
             # the wall clock would also count the wait for the producers' events.
             measured = None if done.cancelled() or done.exception() else done.result()
-            took = measured if isinstance(measured, float) else ended - begin
+            took = measured if isinstance(measured, float) else wall
             samples.append(CommSample(key, nbytes, took))
 
         wire.add_done_callback(record)
@@ -73,7 +76,8 @@ class StepClock:
         self._last_finished = 0.0
 
     def record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
-               samples: list[CommSample], gain: float, finished: float) -> IterationRecord:
+               samples: list[CommSample], gain: float, finished: float,
+               cpu: Sequence[tuple[int, float, float, float]] = ()) -> IterationRecord:
         """``ready_at``: when each layer became ready; ``finished``: when the iteration's last
         group was done."""
         start = float(ready_at.min())
@@ -89,6 +93,7 @@ class StepClock:
             comm=samples,
             exposed_comm_s=max(0.0, finished - float(ready_at.max())),
             iteration_s=finished - start,
+            cpu=list(cpu),
         )
 
 
@@ -103,6 +108,9 @@ class IterationRecord:
     ratio: float = 1.0  # top-k ratio used (1: dense)
     plan: int = 0  # the plan version the iteration ran with
     period_s: float = 0.0  # since the previous iteration finished (0: first): the step time
+    # per compressed group: (dense elements, selection s (0: not selected here), update s,
+    # overhead s: the group's time that is neither CPU work, wire, nor waiting for its turn)
+    cpu: list[tuple[int, float, float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,9 @@ class RoundSummary:
     gains: list[list[float]]  # [ratio, mean gain] per ratio used (compressed rounds only)
     plan: int = 0  # the plan version of the round's last iteration
     step_s: float = 0.0  # median step time under that plan (0: fewer than two iterations)
+    # [selection s per element, update s per element, overhead s per group] of compressed
+    # groups ([]: none ran)
+    cpu_s_per_element: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +156,7 @@ class NodeProfiler:
             gains=_gains_by_ratio(records),
             plan=plan,
             step_s=float(np.median(periods)) if periods else 0.0,
+            cpu_s_per_element=_cpu_per_element(records),
         )
 
 
@@ -154,3 +166,17 @@ def _gains_by_ratio(records: Sequence[IterationRecord]) -> list[list[float]]:
         if record.ratio < 1.0:
             by_ratio.setdefault(record.ratio, []).append(record.gain)
     return [[ratio, float(np.mean(gains))] for ratio, gains in sorted(by_ratio.items())]
+
+
+def _cpu_per_element(records: Sequence[IterationRecord]) -> list[float]:
+    """[selection s per element, update s per element, median overhead s per group] over the
+    round ([]: nothing compressed; a selection cost of 0: this node selected nothing, e.g.
+    never the leader)."""
+    rows = [row for record in records for row in record.cpu]
+    elements = sum(row[0] for row in rows)
+    if not elements:
+        return []
+    selected = sum(row[0] for row in rows if row[1] > 0)
+    select = sum(row[1] for row in rows) / selected if selected else 0.0
+    return [select, sum(row[2] for row in rows) / elements,
+            float(np.median([row[3] for row in rows]))]

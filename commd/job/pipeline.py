@@ -25,16 +25,15 @@ from typing import Any
 import numpy as np
 
 from commd.compression.exchange import GroupExchange
-from commd.compression.topk import topk_count
 from commd.engines import Engine
 from commd.engines.buffer_ops import Buffer, BufferOps, HostOps
+from commd.job.compressed import NodeCompression
 from commd.job.latency import LatencyWindow
 from commd.job.measurements import CommSample, IterationRecord, StepClock, WireClock
 from commd.job.readiness import Readiness, ReadyError
 from commd.job.schedule import Plan, PlanSchedule, make_plan
 from commd.job.trace import TraceRecorder
 from commd.job.watchdog import CollectiveWatch
-from commd_protocol.peer import ALLGATHER, ALLREDUCE
 from commd_protocol.status import LatencySummary, PlanChange
 
 __all__ = ["Pipeline", "PipelineSnapshot", "Plan", "ReadyError", "make_plan"]
@@ -98,15 +97,14 @@ class Pipeline:
         self._group_views = GroupViews(self.buffers)
         self.trace: TraceRecorder | None = None  # `commd trace` armed: records iterations
         self.iteration = 0
+        self.done_plan = 0  # the plan version the last finished iteration ran with
         self._task: asyncio.Task[None] | None = None
         self._wire_clock = WireClock()
         self._records_clock = StepClock()  # iteration records, with the step time
-        self._exchange = GroupExchange(engine, executor, node_index, nodes, dtype)
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
-        # Error-feedback residuals of the node's sums, zero at the start; only when compressing.
-        self.residual = np.zeros_like(self.buffers[0]) if compressed else None
-        self.gains: list[float] = []  # compression gain of each compressed group, this iteration
+        exchange = GroupExchange(engine, executor, node_index, nodes, dtype, self._wire_clock)
+        self.compression = NodeCompression(self.buffers[0], exchange) if compressed else None
 
     # --- from the control plane ------------------------------------------------------------------
 
@@ -169,27 +167,38 @@ class Pipeline:
         finishing = []
         samples: list[CommSample] = []
         wires: list[asyncio.Future[Any]] = []  # device: collectives still on the stream
+        # Every node issues the groups' collectives in plan order: a group issues its own
+        # once the previous group has issued all of its (a compressed group's may wait for
+        # CPU work and a broadcast in between).
+        turn = _completed()
         for index, group in enumerate(plan.groups):
             await self._ready.wait_for(group)
             if self.trace is not None:
                 self.trace.group(self.iteration, plan, index)
             if plan.exchanges[index] == "dense":
+                if not turn.done():
+                    await turn
                 finishing.append(await self._launch(plan, index, samples, wires))
             else:
-                finishing.append(await self._compressed(plan, index, samples))
+                issued = asyncio.get_running_loop().create_future()
+                # A task: its CPU work starts now, overlapping earlier groups' wire time.
+                finishing.append(asyncio.ensure_future(
+                    self._compressed(plan, index, samples, turn, issued)))
+                turn = issued
             if self.trace is not None:
                 self.trace.finishing(self.iteration, index, finishing[-1])
-        await asyncio.gather(*finishing)
-        gain = float(np.mean(self.gains)) if self.gains else 1.0
-        self.gains = []
+        await _all_or_cancel(finishing)
+        gain, cpu = (self.compression.end_iteration(plan.exchanges)
+                     if self.compression is not None else (1.0, []))
         done = self.iteration
+        self.done_plan = plan.version
         self.iteration += 1
         ready_at = self._ready.next_iteration()
         if self.trace is not None:
             self.trace.iteration(done, plan, ready_at)
         if not self.ops.stream_ordered:
             self._on_record(self._records_clock.record(plan, done, ready_at, samples, gain,
-                                         time.monotonic()))
+                                                       time.monotonic(), cpu))
             self._on_complete(done, plan.version)
             return
         # Device: everything is issued. The clients' streams wait on the done event; the
@@ -228,6 +237,9 @@ class Pipeline:
         self.ops.acquire()
         if len(views) > 1:
             await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
+        if self.compression is not None and self.compression.pending:
+            # A compressed job runs dense: what top-k held back goes too.
+            await self._memory(self.compression.flush, views[0], *plan.spans[index])
         wire: asyncio.Future[Any] | None = None
         if self.engine is not None:
             wire = self._wire_clock.timed(self.engine.allreduce(views[0], self.dtype),
@@ -254,38 +266,27 @@ class Pipeline:
     def _factor(self) -> float:
         return 1.0 / self.world_size if self.op == "avg" and self.world_size > 1 else 1.0
 
-    async def _compressed(
-        self, plan: Plan, index: int, samples: list[CommSample]
-    ) -> asyncio.Future[Any]:
-        """A top-k group: its collectives finish before the next group's are issued, so that
-        every node issues the same collectives in the same order."""
-        assert self.residual is not None
+    async def _compressed(self, plan: Plan, index: int, samples: list[CommSample],
+                          turn: asyncio.Future[None], issued: asyncio.Future[None]) -> None:
+        """A top-k group: its collectives wait for ``turn``; ``issued`` once they are."""
+        assert self.compression is not None
+        iteration = self.iteration
         start, stop = plan.spans[index]
         views = [buffer[start:stop] for buffer in self.buffers]
         if len(views) > 1:
             await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
         if self.trace is not None:
-            self.trace.summed(self.iteration, index)
-        k = topk_count(stop - start, plan.ratio)
-        residual = self.residual[start:stop]
-        key = (self.iteration, index)
+            self.trace.summed(iteration, index)
         itemsize = views[0].itemsize
-        with self._watch.span(describe(plan, index, self.iteration, itemsize),
+        with self._watch.span(describe(plan, index, iteration, itemsize),
                               predicted_s(plan, index, itemsize)):
-            if plan.exchanges[index] == "allreduce":
-                leader = self.iteration % self._exchange.nodes
-                gain, wire = await self._exchange.allreduce(views[0], residual, k, leader)
-                sample = CommSample(key, k * itemsize, wire, ALLREDUCE)
-            else:
-                gain, wire = await self._exchange.allgather(views[0], residual, k)
-                sample = CommSample(key, k * (itemsize + 4), wire, ALLGATHER)  # + indices
-        self.gains.append(gain)
+            gain, sample = await self.compression.run(plan, index, iteration, views[0], turn,
+                                                      issued)
         if self.trace is not None:
-            self.trace.exchanged(self.iteration, index, gain, wire)
-        self._wire_clock.ended()
+            self.trace.exchanged(iteration, index, gain, sample.seconds)
         if self.engine is not None:  # the job's own collectives keep a and b up to date
             samples.append(sample)
-        return asyncio.ensure_future(self._finish(None, views))
+        await self._finish(None, views)
 
     async def _finish(self, wire: asyncio.Future[Any] | None, views: list[Buffer]) -> None:
         if wire is not None:
@@ -330,6 +331,17 @@ class GroupViews:
             start, stop = plan.spans[index]
             views = self._views[index] = [buffer[start:stop] for buffer in self._buffers]
         return views
+
+
+async def _all_or_cancel(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Every future done; on the first failure the others are cancelled (a group's task
+    that still waits for its turn must not linger)."""
+    try:
+        await asyncio.gather(*futures)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
 
 
 def _completed() -> asyncio.Future[Any]:

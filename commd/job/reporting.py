@@ -15,7 +15,7 @@ from commd.job.pipeline import PipelineSnapshot
 from commd.job.state import JobState
 from commd_protocol import PROTOCOL_VERSION, PeerJoin, PeerPlan, PeerProfile, PeerSetup, Register
 from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
-from commd_protocol.status import IterationTiming, JobStatus
+from commd_protocol.status import CandidateTiming, IterationTiming, JobStatus
 
 RECENT = 100  # iteration times kept for status
 
@@ -57,6 +57,7 @@ class Reporter:
             comm=summary.comm, measured_comm_s=summary.exposed_comm_s,
             iteration_s=summary.iteration_s, gains=summary.gains,
             plan=summary.plan, step_s=summary.step_s,
+            cpu_s_per_element=summary.cpu_s_per_element,
         ))
 
     def timing(self) -> IterationTiming | None:
@@ -105,6 +106,10 @@ def job_status(*, job: str, state: JobState, world_size: int, local_ranks: list[
         ratio=plan.ratio if plan else None,
         exchanges=plan.exchanges if plan else [],
         gain=reporter.gain if reporter else 1.0,
+        selection=decision.selection or None if decision else None,
+        candidates=[CandidateTiming(name=name, predicted_s=predicted,
+                                    measured_s=measured if measured >= 0 else None)
+                    for name, predicted, measured in decision.candidates] if decision else [],
         layers=len(reg.layers) if reg else 0,
         dtype=reg.dtype if reg else None,
         op=reg.op if reg else None,

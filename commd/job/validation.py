@@ -16,8 +16,11 @@ from commd.job.state import JobContext, JobError
 from commd.plan import validate_plan
 from commd_protocol import PROTOCOL_VERSION, ErrorCode, Hello, PeerPlan, PeerSetup, Register
 from commd_protocol.address import split_host_port
-from commd_protocol.checks import job_id_problem, layers_problem, layout_problem
+from commd_protocol.checks import finite, job_id_problem, layers_problem, layout_problem
 from commd_protocol.dtypes import itemsize
+
+SELECTIONS = ("", "forced", "exploring", "measuring", "measured")  # PeerPlan.selection
+MAX_CANDIDATES = 8
 
 
 def check_hello(hello: Hello) -> None:
@@ -109,6 +112,12 @@ def plan_problem(plan: PeerPlan, layers: int) -> str:
         return f"unknown exchanges {unknown}"
     if not (math.isfinite(plan.ratio) and 0 <= plan.ratio <= 1):
         return f"top-k ratio {plan.ratio}"
+    if plan.selection not in SELECTIONS:
+        return f"exchange selection {plan.selection[:40]!r}"
+    if len(plan.candidates) > MAX_CANDIDATES or any(
+            len(name) > 40 or not finite((predicted, measured + 1))
+            for name, predicted, measured in plan.candidates):
+        return f"candidates must be at most {MAX_CANDIDATES} (name, predicted s, measured s)"
     if plan.effective_iteration < 0 or plan.version < 1:
         return f"plan v{plan.version} from iteration {plan.effective_iteration}"
     return ""

@@ -77,6 +77,9 @@ class PeerProfile(_Msg, tag="peer_profile"):
     gains: list[list[float]] = msgspec.field(default_factory=list)
     plan: int = 0  # the plan version of the round's last iteration
     step_s: float = 0.0  # median time per iteration under that plan (0: not measured)
+    # the round's compressed groups: [selection s per dense element, update s per dense
+    # element, overhead s per group] ([]: none ran; selection 0: this node selected nothing)
+    cpu_s_per_element: list[float] = msgspec.field(default_factory=list)
 
 
 class PeerPlan(_Msg, tag="peer_plan"):
@@ -95,6 +98,10 @@ class PeerPlan(_Msg, tag="peer_plan"):
     ratio: float = 0.0  # top-k ratio of the compressed groups
     overhead_s: float = 0.0  # per-group cost added to alpha_s for planning (measured search)
     search: str = ""  # the plan search's state, for status
+    # compressed jobs: how the exchange was chosen (forced, exploring, measuring, measured)
+    # and (candidate, predicted s, measured s or -1) per candidate, for status
+    selection: str = ""
+    candidates: list[tuple[str, float, float]] = msgspec.field(default_factory=list)
 
 
 class PeerHeartbeat(_Msg, tag="peer_heartbeat"):

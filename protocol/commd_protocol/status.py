@@ -47,6 +47,14 @@ class LatencySummary(_Status):
     samples: float
 
 
+class CandidateTiming(_Status):
+    """One way a compressed job can exchange: the model's and the measured seconds."""
+
+    name: str  # "dense", "allgather@0.01", "allreduce@0.01"
+    predicted_s: float  # the cost model's seconds per iteration
+    measured_s: float | None = None  # the measured step time (None: not measured)
+
+
 class PlanChange(_Status):
     iteration: int  # the first iteration that ran with the plan
     version: int
@@ -77,6 +85,9 @@ class JobStatus(_Status):
     ratio: float | None = None
     exchanges: list[str] = []
     gain: float = 1.0
+    # how the exchange was chosen: forced, exploring, measuring or measured (None: dense)
+    selection: str | None = None
+    candidates: list[CandidateTiming] = []
     layers: int = 0
     dtype: str | None = None
     op: str | None = None

@@ -1,0 +1,243 @@
+"""The compressed path of one group, new kernels against the previous code, in dense passes.
+
+For each size and ratio, one run times, in interleaved repeats (so that the load of a shared
+machine hits every case alike), medians over the repeats:
+
+* ``pass``: one dense memory pass over the same buffer, ``np.multiply(buf, 1.0, out=buf)``
+  (reads and writes every element once, in place);
+* ``new allreduce``: add_and_energy (which also zeroes the sum's buffer, as exchange.py does),
+  select_topk (with a TopkScratch), take_and_clear (into a preallocated values buffer), put
+  (the k values into the zeroed buffer);
+* ``new allgather``: the same up to take_and_clear, then accumulate_pairs of 3 nodes' blocks;
+* ``old allreduce`` / ``old allgather``: np.add, select_topk_reference, the previous
+  exchange.py ``_take`` (gather, np.dot energy, clear) and ``_scatter`` (zero, set) /
+  zero and np.add.at.
+
+The allgather's other two nodes' blocks are prepared once, untimed; copying this node's own
+block into the receive buffers is timed in both paths. Before every timed call the residual
+and the gradient are restored from copies (untimed). The first repeat checks that new and old
+agree exactly.
+
+    .venv/bin/python bench/topk.py
+    .venv/bin/python bench/topk.py --elements 2555623 --ratios 0.01 --repeats 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from commd.compression import kernels
+from commd.compression.kernels import (
+    WORKERS,
+    accumulate_pairs,
+    add_and_energy,
+    put,
+    take_and_clear,
+)
+from commd.compression.topk import TopkScratch, select_topk, select_topk_reference
+
+NODES = 3  # the allgather rows: this node plus two others
+
+
+@dataclass
+class Case:
+    """One size and ratio: the buffers every path works on."""
+
+    gradient: np.ndarray  # S, this node's summed gradient (restored before each call)
+    start: np.ndarray  # R at the start of the iteration (restored before each call)
+    residual: np.ndarray
+    target: np.ndarray
+    k: int
+    scratch: TopkScratch
+    values: np.ndarray  # k values out of take_and_clear
+    all_indices: np.ndarray  # the allgather's receive buffers, others' blocks filled in
+    all_values: np.ndarray
+
+
+def make_case(elements: int, ratio: float, seed: int) -> Case:
+    rng = np.random.default_rng(seed)
+    k = max(1, int(ratio * elements))
+    gradient = rng.standard_normal(elements, dtype=np.float32)
+    start = (rng.standard_normal(elements, dtype=np.float32) * 0.5).astype(np.float32)
+    all_indices = np.empty(NODES * k, np.int32)
+    all_values = np.empty(NODES * k, np.float32)
+    for node in range(1, NODES):  # the others' top-k: k ascending unique indices each
+        other = rng.standard_normal(elements, dtype=np.float32)
+        chosen = select_topk(other, k)
+        all_indices[node * k:(node + 1) * k] = chosen
+        all_values[node * k:(node + 1) * k] = other[chosen]
+    return Case(gradient, start, start.copy(), gradient.copy(), k,
+                TopkScratch(elements, np.float32), np.empty(k, np.float32), all_indices,
+                all_values)
+
+
+def restore(case: Case) -> None:
+    np.copyto(case.residual, case.start)
+    np.copyto(case.target, case.gradient)
+
+
+def one_pass(case: Case) -> None:
+    np.multiply(case.target, 1.0, out=case.target)
+
+
+def new_selection(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    energy = add_and_energy(case.residual, case.target, clear=True)  # as exchange.py does
+    indices = select_topk(case.residual, case.k, case.scratch)
+    values, sent = take_and_clear(case.residual, indices, case.values)
+    _gain = 1.0 if energy == 0 else sent / energy
+    return indices, values
+
+
+def new_allreduce(case: Case) -> None:
+    indices, values = new_selection(case)
+    put(case.target, indices, values)
+
+
+def new_allgather(case: Case) -> None:
+    indices, values = new_selection(case)
+    case.all_indices[:case.k] = indices
+    case.all_values[:case.k] = values
+    accumulate_pairs(case.target, case.all_indices, case.all_values, zeroed=True)
+
+
+def old_selection(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    residual = case.residual
+    np.add(residual, case.target, residual)
+    indices = select_topk_reference(residual, case.k)
+    values = residual[indices]  # the previous exchange._take
+    total = float(np.dot(residual, residual))
+    _gain = 1.0 if total == 0 else float(np.dot(values, values)) / total
+    residual[indices] = 0
+    return indices, values
+
+
+def old_allreduce(case: Case) -> None:
+    indices, values = old_selection(case)
+    case.target[...] = 0  # the previous exchange._scatter
+    case.target[indices] = values
+
+
+def old_allgather(case: Case) -> None:
+    indices, values = old_selection(case)
+    case.all_indices[:case.k] = indices
+    case.all_values[:case.k] = values
+    case.target[...] = 0  # the previous topk.accumulate_pairs
+    np.add.at(case.target, case.all_indices.astype(np.intp), case.all_values)
+
+
+PATHS: dict[str, Callable[[Case], None]] = {
+    "pass": one_pass,
+    "new allreduce": new_allreduce,
+    "new allgather": new_allgather,
+    "old allreduce": old_allreduce,
+    "old allgather": old_allgather,
+}
+
+
+def check(case: Case) -> None:
+    """New and old agree exactly on the result and the residual."""
+    results = {}
+    for name, path in PATHS.items():
+        restore(case)
+        path(case)
+        results[name] = (case.target.copy(), case.residual.copy())
+    for exchange in ("allreduce", "allgather"):
+        for new, old in zip(results[f"new {exchange}"], results[f"old {exchange}"],
+                            strict=True):
+            np.testing.assert_array_equal(new, old)
+
+
+def measure(case: Case, repeats: int) -> dict[str, list[float]]:
+    check(case)
+    for path in PATHS.values():  # warm up: the scratch grows, the pool starts
+        restore(case)
+        path(case)
+    times: dict[str, list[float]] = {name: [] for name in PATHS}
+    for _ in range(repeats):
+        for name, path in PATHS.items():
+            restore(case)
+            began = time.perf_counter()
+            path(case)
+            times[name].append(time.perf_counter() - began)
+    return times
+
+
+def spread(samples: list[float]) -> float:
+    """Half the interquartile range over the median: the noise of one row."""
+    if len(samples) < 4:
+        return float("nan")
+    quartiles = statistics.quantiles(samples, n=4)
+    return (quartiles[2] - quartiles[0]) / 2 / statistics.median(samples)
+
+
+def report(rows: list[tuple[int, float, dict[str, list[float]]]]) -> None:
+    print("| elements | ratio | exchange | one pass ms | new ms (passes) | old ms (passes) | "
+          "speed-up | noise pass / new / old |")
+    print("|---:|---:|---|---:|---:|---:|---:|---|")
+    for elements, ratio, times in rows:
+        dense = statistics.median(times["pass"])
+        for exchange in ("allreduce", "allgather"):
+            kinds = ("new", "old")
+            ms = {kind: statistics.median(times[f"{kind} {exchange}"]) for kind in kinds}
+            cells = " | ".join(f"{ms[kind] * 1e3:.1f} ({ms[kind] / dense:.1f})" for kind in kinds)
+            noise = " / ".join(f"±{spread(times[name]):.0%}" for name in
+                               ("pass", *(f"{kind} {exchange}" for kind in kinds)))
+            print(f"| {elements:,} | {ratio:g} | {exchange} | {dense * 1e3:.1f} | {cells} | "
+                  f"{ms['old'] / ms['new']:.1f}× | {noise} |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Time the compressed path of one group (new kernels vs the previous code) "
+                    "in units of one dense memory pass over the same buffer.")
+    parser.add_argument("--elements", default="2555623,25557032",
+                        help="comma-separated float32 buffer sizes (default: ResNet-50/10 and "
+                             "ResNet-50)")
+    parser.add_argument("--ratios", default="0.1,0.01,0.001",
+                        help="comma-separated k / elements ratios")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="interleaved timed repeats per case (medians are reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parallel-min", type=int, default=None,
+                        help="split kernels over the pool from this many elements (default: "
+                             "kernels.PARALLEL_MIN, off on 2 cores)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = [int(text) for text in args.elements.split(",")]
+    ratios = [float(text) for text in args.ratios.split(",")]
+    if args.repeats < 1 or any(s < 1 for s in sizes) or any(not 0 < r <= 1 for r in ratios):
+        print("--repeats and --elements must be >= 1, --ratios in (0, 1]", file=sys.stderr)
+        return 2
+    if args.parallel_min is not None:
+        kernels.PARALLEL_MIN = args.parallel_min
+    threshold = kernels.PARALLEL_MIN
+    split = (f"split from {threshold:,} elements over {WORKERS} threads"
+             if threshold < sys.maxsize else "no split")
+    print(f"# {datetime.date.today()} · {platform.machine()} · {os.cpu_count()} CPUs · "
+          f"kernels: {split} · numpy {np.__version__}")
+    print(f"# {' '.join(sys.argv)}\n")
+    rows = []
+    for elements in sizes:
+        for ratio in ratios:
+            case = make_case(elements, ratio, args.seed)
+            rows.append((elements, ratio, measure(case, args.repeats)))
+            del case
+    report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""Fused, chunked numpy kernels for the compressed path of one group (see docs/compression.md).
+
+Each kernel walks its buffer once in chunks of ``CHUNK`` elements, so the temporaries of one
+chunk stay in the CPU cache and nothing the size of the buffer is allocated. Buffers of at
+least ``PARALLEL_MIN`` elements are split, on chunk boundaries, over a thread pool owned by
+this module (numpy releases the GIL in its loops). Results never depend on the split: every
+partial sum is per chunk and the chunk sums are added in chunk order.
+
+The pool is never the caller's: the daemon already runs these functions inside its own
+executor, and a task that waited on that executor from inside it could deadlock. Pool tasks
+never wait on anything, and the calling thread always works one part itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TypeVar
+
+import numpy as np
+
+__all__ = [
+    "CHUNK",
+    "PARALLEL_MIN",
+    "WORKERS",
+    "accumulate_pairs",
+    "add_and_energy",
+    "check_float_buffer",
+    "check_update",
+    "ordered_sum",
+    "put",
+    "run_parts",
+    "scatter",
+    "take_and_clear",
+]
+
+CHUNK = 131_072  # elements: 512 KiB of float32, a chunk's temporaries stay in L2
+INDEX_CHUNK = 32_768  # indices per step of the gather/scatter kernels
+WORKERS = min(4, os.cpu_count() or 1)
+# Elements from which a kernel splits its buffer over the pool. Off below 4 CPUs: on 2 cores
+# the daemon's own 2-worker executor already fills them, and a split measured 0.64–1.3× per
+# kernel, within noise for the whole path. From 4 CPUs a split of >= 4 M elements is expected
+# to help (not measured: check with bench/topk.py --parallel-min). Tests lower it.
+PARALLEL_MIN = 4_000_000 if (os.cpu_count() or 1) >= 4 else sys.maxsize
+MAX_RUNS = 1024  # ascending runs in accumulate_pairs' input before it falls back to np.add.at
+
+_T = TypeVar("_T")
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="commd-kernels")
+        return _pool
+
+
+def split(n: int, parts: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """[0, n) as up to ``parts`` contiguous ranges whose inner edges are chunk multiples."""
+    chunks = max(1, -(-n // chunk))
+    parts = max(1, min(parts, chunks))
+    edges = [min(n, chunks * p // parts * chunk) for p in range(parts + 1)]
+    return [(edges[p], edges[p + 1]) for p in range(parts)]
+
+
+def run_parts(n: int, work: Callable[[int, int, int], _T], chunk: int = CHUNK) -> list[_T]:
+    """``work(part, lo, hi)`` over a split of [0, n); the results in part order."""
+    parts = WORKERS if n >= PARALLEL_MIN else 1
+    ranges = split(n, parts, chunk)
+    if len(ranges) == 1:
+        return [work(0, 0, n)]
+    pool = _executor()
+    futures: list[Future[_T]] = [pool.submit(work, part, lo, hi)
+                                 for part, (lo, hi) in enumerate(ranges) if part]
+    try:
+        first = work(0, *ranges[0])
+    finally:  # never return (or raise) while a part still writes into the caller's buffers
+        wait(futures)
+    return [first, *(future.result() for future in futures)]
+
+
+def check_float_buffer(name: str, array: object) -> np.ndarray:
+    """A 1-D float32/float64 ndarray, or TypeError/ValueError naming ``name``."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(array).__name__}")
+    if array.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{name} must be float32 or float64, got {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got {array.ndim} dimensions")
+    return array
+
+
+def _check_indices(name: str, indices: object) -> np.ndarray:
+    if not isinstance(indices, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(indices).__name__}")
+    if indices.dtype.kind not in "iu" or indices.dtype == np.uint64:  # uint64: no intp cast
+        raise TypeError(f"{name} must hold integers (not uint64), got {indices.dtype}")
+    if indices.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got {indices.ndim} dimensions")
+    return indices
+
+
+def _check_pairs(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+    check_float_buffer("target", target)
+    _check_indices("indices", indices)
+    check_float_buffer("values", values)
+    if values.dtype != target.dtype:
+        raise TypeError(f"values are {values.dtype}, target is {target.dtype}")
+    if values.size != indices.size:
+        raise ValueError(f"{values.size} values for {indices.size} indices")
+
+
+def _check_ascending(piece: np.ndarray, lo: int, hi: int) -> None:
+    """Strictly ascending and inside [lo, hi): anything else could write out of place."""
+    if piece.size and (piece[0] < lo or piece[-1] >= hi or
+                       (piece.size > 1 and not np.all(piece[1:] > piece[:-1]))):
+        raise ValueError(f"indices must be strictly ascending and in [0, size); the ones "
+                         f"for elements [{lo}, {hi}) are not")
+
+
+def check_update(residual: object, update: object) -> None:
+    """Two 1-D float buffers of one dtype and size, or TypeError/ValueError naming them."""
+    residual = check_float_buffer("residual", residual)
+    update = check_float_buffer("update", update)
+    if update.dtype != residual.dtype:
+        raise TypeError(f"update is {update.dtype}, residual is {residual.dtype}")
+    if update.shape != residual.shape:
+        raise ValueError(f"update has {update.size} elements, residual {residual.size}")
+
+
+def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False) -> float:
+    """residual += update in place; returns ‖residual‖² after the addition. ``clear``: also
+    zero ``update``, chunk by chunk while it is in cache — the write-back into it (``put``,
+    ``accumulate_pairs(zeroed=True)``) then needs no pass of its own.
+
+    Each chunk's sum of squares is accumulated in the buffer's dtype (numpy's einsum loop, no
+    BLAS, so no BLAS threads); the chunk sums are added in float64, in chunk order.
+    """
+    check_update(residual, update)
+
+    def work(_part: int, lo: int, hi: int) -> list[float]:
+        sums = []
+        for start in range(lo, hi, CHUNK):
+            chunk = residual[start:min(hi, start + CHUNK)]
+            source = update[start:start + chunk.size]
+            np.add(chunk, source, out=chunk)
+            if clear:
+                _zero(source)
+            sums.append(float(np.einsum("i,i->", chunk, chunk)))
+        return sums
+
+    return ordered_sum(run_parts(residual.size, work))
+
+
+def ordered_sum(parts: list[list[float]]) -> float:
+    """Per-chunk sums added in chunk order (not sum(): Python 3.12's compensates)."""
+    total = 0.0
+    for sums in parts:
+        for value in sums:
+            total += value
+    return total
+
+
+def take_and_clear(error: np.ndarray, indices: np.ndarray,
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """values = error[indices] (into ``out`` if given), then error[indices] = 0.
+
+    ``indices`` must be strictly ascending (as select_topk returns them), checked before
+    anything is written: the gather and the clear of one step touch the same cache lines.
+    Returns (values, ‖values‖²), the sum as in add_and_energy.
+    """
+    check_float_buffer("error", error)
+    _check_indices("indices", indices)
+    if out is None:
+        out = np.empty(indices.size, dtype=error.dtype)
+    check_float_buffer("out", out)
+    if out.dtype != error.dtype or out.size != indices.size:
+        raise ValueError(f"out must be {error.dtype} of {indices.size} elements, "
+                         f"got {out.dtype} of {out.size}")
+    for start in range(0, indices.size, INDEX_CHUNK):  # a step's last index is the next's first
+        _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, error.size)
+
+    def work(_part: int, lo: int, hi: int) -> list[float]:
+        sums = []
+        for start in range(lo, hi, INDEX_CHUNK):
+            stop = min(hi, start + INDEX_CHUNK)
+            step, values = indices[start:stop].astype(np.intp), out[start:stop]
+            # intp: numpy would convert int32 for each of the two; "clip": checked above, and
+            # it skips take's own bounds check
+            np.take(error, step, out=values, mode="clip")
+            error[step] = 0
+            sums.append(float(np.einsum("i,i->", values, values)))
+        return sums
+
+    return out, ordered_sum(run_parts(indices.size, work, INDEX_CHUNK))
+
+
+def _zero(chunk: np.ndarray) -> None:
+    if chunk.flags.c_contiguous:  # a byte fill is a memset: faster than numpy's float fill
+        chunk.view(np.uint8).fill(0)
+    else:
+        chunk.fill(0)
+
+
+def _bounds(run: np.ndarray, starts: np.ndarray) -> list[int]:
+    """Where each chunk's part of ascending ``run`` begins (and the end), monotone."""
+    found = np.searchsorted(run, starts)
+    found[0], found[-1] = 0, run.size  # every index lands in some chunk, checked there
+    return np.maximum.accumulate(found).tolist()
+
+
+def scatter(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+    """target = 0 except target[indices] = values; ``indices`` strictly ascending.
+
+    Chunk by chunk: zero the chunk, then write its values while it is in cache. A bad index
+    raises ValueError; ``target`` is then partly written.
+    """
+    _check_pairs(target, indices, values)
+    starts = np.arange(0, target.size + CHUNK, CHUNK, dtype=np.int64)
+    starts[-1] = max(target.size, 1)
+    bounds = _bounds(indices, starts)
+
+    def work(_part: int, lo: int, hi: int) -> None:
+        for start in range(lo, hi, CHUNK):
+            chunk = target[start:min(hi, start + CHUNK)]
+            _zero(chunk)
+            first, last = bounds[start // CHUNK], bounds[start // CHUNK + 1]
+            if last > first:
+                piece = indices[first:last]
+                _check_ascending(piece, start, start + chunk.size)
+                chunk[np.subtract(piece, start, dtype=np.intp)] = values[first:last]
+
+    if target.size == 0:
+        _check_ascending(indices, 0, 0)
+    run_parts(target.size, work)
+
+
+def put(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+    """target[indices] = values into an already zeroed ``target`` (``add_and_energy(...,
+    clear=True)``): the scatter without its zeroing pass. ``indices`` strictly ascending,
+    checked before anything is written."""
+    _check_pairs(target, indices, values)
+    for start in range(0, indices.size, INDEX_CHUNK):
+        _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, target.size)
+    for start in range(0, indices.size, INDEX_CHUNK):
+        stop = start + INDEX_CHUNK
+        target[indices[start:stop].astype(np.intp)] = values[start:stop]
+
+
+def _run_starts(indices: np.ndarray) -> list[int]:
+    """Where each strictly ascending run of ``indices`` begins (N blocks of top-k indices
+    concatenated form at most N runs)."""
+    starts = [0]
+    for lo in range(0, max(0, indices.size - 1), CHUNK):
+        hi = min(indices.size, lo + CHUNK + 1)
+        drops = np.flatnonzero(indices[lo + 1:hi] <= indices[lo:hi - 1])
+        starts.extend((drops + lo + 1).tolist())
+        if len(starts) > MAX_RUNS:
+            break
+    return starts
+
+
+def accumulate_pairs(target: np.ndarray, indices: np.ndarray, values: np.ndarray,
+                     zeroed: bool = False) -> None:
+    """target = 0, then target[i] += v for every (i, v) pair; repeated indices add up.
+    ``zeroed``: ``target`` is all zeros already (``add_and_energy(..., clear=True)``).
+
+    The input is read as ascending runs (an allgather of N nodes' top-k gives N). Each element
+    is summed in input order, ((0 + v_first) + v_second) + ..., exactly as np.add.at does, so
+    the result is bit-identical to it and the same on every node. Chunk by chunk: zero the
+    chunk, then add each run's pairs that fall in it. More than MAX_RUNS runs: np.add.at.
+    """
+    _check_pairs(target, indices, values)
+    starts = _run_starts(indices)
+    if len(starts) > MAX_RUNS:  # not blocks of top-k indices: the general (slow) way
+        if indices.size and (indices.min() < 0 or indices.max() >= target.size):
+            raise IndexError(f"indices must be in [0, {target.size})")
+        if not zeroed:
+            target.fill(0)
+        np.add.at(target, indices, values)
+        return
+    ends = [*starts[1:], indices.size]
+    for first, last in zip(starts, ends, strict=True):
+        if last > first and (indices[first] < 0 or indices[last - 1] >= target.size):
+            raise IndexError(f"indices must be in [0, {target.size}); a run spans "
+                             f"{indices[first]}..{indices[last - 1]}")
+    chunk_starts = np.arange(0, target.size + CHUNK, CHUNK, dtype=np.int64)
+    chunk_starts[-1] = max(target.size, 1)
+    runs = [(indices[a:b], values[a:b]) for a, b in zip(starts, ends, strict=True) if b > a]
+    bounds = [_bounds(run, chunk_starts) for run, _ in runs]
+
+    def work(_part: int, lo: int, hi: int) -> None:
+        for start in range(lo, hi, CHUNK):
+            chunk = target[start:min(hi, start + CHUNK)]
+            if not zeroed:
+                _zero(chunk)
+            at = start // CHUNK
+            for (run, run_values), edge in zip(runs, bounds, strict=True):
+                first, last = edge[at], edge[at + 1]
+                if last > first:  # np.add.at with intp indices: the fastest scatter-add
+                    local = np.subtract(run[first:last], start, dtype=np.intp)
+                    np.add.at(chunk, local, run_values[first:last])
+
+    run_parts(target.size, work)

@@ -1,0 +1,174 @@
+"""A compressed job's choices, round by round: the top-k ratio and what to exchange.
+
+* **Ratio** (``topk:auto``): the first rounds explore 0.1, 0.01 and 0.001; then the ratio
+  is picked on the Pareto front of (time, 1/gain) — the time from the cost model (wire and
+  CPU), corrected by what the explored ratios measured. It is solved again only when the
+  exchanges are measured anew (a changed network), so noisy fits do not make it wander.
+* **Exchange**: with ``auto`` the candidates are dense, the allgather and the AR-compatible
+  exchange at the ratio; ``ExchangeTrials`` measures them and keeps the fastest. A forced
+  exchange is never changed and never measured against the others.
+
+Pure: the ``Replanner`` feeds it the nodes' reports and plans with what it returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from commd.compression.planning import (
+    DEFAULT_CPU,
+    EXPLORE_RATIOS,
+    CpuCost,
+    compressed_cost,
+    fit_gain,
+    link_cost,
+    pick_ratio,
+)
+from commd.compression.topk import CompressionSpec
+from commd.coordinator.exchange_trials import DENSE, Candidate, ExchangeTrials
+from commd.plan import LinearCost
+from commd_protocol import PeerProfile
+
+GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
+CPU_SMOOTHING = 0.5  # weight of the newest round in the CPU cost
+COMPRESSED = ("allgather", "allreduce")
+
+Predict = Callable[[Candidate], float]  # seconds per iteration the model expects
+
+
+@dataclass
+class CompressionPolicy:
+    spec: CompressionSpec
+    nodes: int
+    itemsize: int = 4
+    ratio: float = 0.0
+    cpu: CpuCost = DEFAULT_CPU
+    cpu_measured: bool = False
+    gains: list[tuple[float, float]] = field(default_factory=list)  # (ratio, gain)
+    trials: ExchangeTrials = field(default_factory=ExchangeTrials)
+    running: Candidate | None = None  # what the plan in force runs
+    _ratio_epoch: int = -1  # the trials' epoch the ratio was last solved in
+
+    @property
+    def state(self) -> str:
+        """For status: "forced", "exploring", "measuring" or "measured"."""
+        if self.spec.exchange != "auto":
+            return "forced"
+        if self.spec.ratio is None and self._exploring() is not None:
+            return "exploring"
+        return self.trials.state
+
+    def observe(self, reports: Sequence[PeerProfile], whole_round: bool) -> str:
+        """A round's reports; ``whole_round``: every node ran the plan in force all round.
+        Returns why every exchange is to be measured again ("" if not)."""
+        for report in reports:
+            self.gains.extend((r, g) for r, g in report.gains)
+        self.gains = self.gains[-GAIN_MEMORY:]
+        self._observe_cpu([r.cpu_s_per_element for r in reports if r.cpu_s_per_element])
+        if not whole_round or self.running is None:
+            return ""
+        steps = [r.step_s for r in reports]
+        if min(steps) <= 0:
+            return ""
+        return self.trials.observe(self.running, float(np.mean(steps)))
+
+    def _observe_cpu(self, rows: list[list[float]]) -> None:
+        """The slowest node's CPU costs gate the iteration. The overhead per group is the
+        least any node saw: a node's also holds its wait for the others (the leader's
+        selection before the indices' broadcast), already counted as CPU."""
+        if not rows:
+            return
+        selects = [row[0] for row in rows if row[0] > 0]
+        select = max(selects) if selects else self.cpu.select_s_per_element
+        update = max(row[1] for row in rows)
+        per_group = min(row[2] for row in rows)
+        if self.cpu_measured:
+            w, old = CPU_SMOOTHING, self.cpu
+            select = w * select + (1 - w) * old.select_s_per_element
+            update = w * update + (1 - w) * old.update_s_per_element
+            per_group = w * per_group + (1 - w) * old.per_group_s
+        self.cpu, self.cpu_measured = CpuCost(select, update, per_group), True
+
+    def choose(self, cost: LinearCost, elements: Sequence[int], predict: Predict,
+               measure_dense: bool = False) -> tuple[Candidate, str]:
+        """What the next plan runs, and why if that changed. ``elements``: the dense
+        elements of the current groups (for the ratio's time model); ``predict``: the
+        planner's seconds per iteration for a candidate; ``measure_dense``: measure dense
+        whatever its prediction (the network's a, b are stale)."""
+        ratio, why_ratio = self._choose_ratio(cost, elements)
+        self.ratio = ratio
+        if self.spec.exchange != "auto":
+            return Candidate(self.spec.exchange, ratio), why_ratio
+        compressed = [Candidate(exchange, ratio) for exchange in COMPRESSED]
+        if self.spec.ratio is None and self._exploring() is not None:
+            # Exploring: the gain model needs compressed rounds, at the model's exchange.
+            predicted = {c: predict(c) for c in compressed}
+            self.trials.predicted = predicted
+            return min(compressed, key=lambda c: (predicted[c], c)), why_ratio
+        candidate, why = self.trials.next({c: predict(c) for c in (DENSE, *compressed)},
+                                          {DENSE} if measure_dense else set())
+        return candidate, ", ".join(x for x in (why_ratio, why) if x)
+
+    # --- the ratio ---------------------------------------------------------------------------
+
+    def _exploring(self) -> float | None:
+        tried = {r for r, _ in self.gains}
+        return next((r for r in EXPLORE_RATIOS if r not in tried), None)
+
+    def _choose_ratio(self, cost: LinearCost, elements: Sequence[int]) -> tuple[float, str]:
+        if self.spec.ratio is not None:
+            return self.spec.ratio, ""
+        exploring = self._exploring()
+        if exploring is not None:
+            return exploring, ("" if exploring == self.ratio
+                               else f"exploring ratio {exploring:g}")
+        if self._ratio_epoch == self.trials.epoch:
+            return self.ratio, ""
+        self._ratio_epoch = self.trials.epoch
+        model = fit_gain(self.gains)
+        assert model is not None  # three ratios tried
+        time_of = self._time_of(cost, elements)
+        ratio, _front = pick_ratio(time_of, model)
+        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF)"
+
+    def _exchanges(self) -> tuple[str, ...]:
+        return COMPRESSED if self.spec.exchange == "auto" else (self.spec.exchange,)
+
+    def model_s(self, candidate: Candidate, cost: LinearCost, elements: Sequence[int]) -> float:
+        """The cost model's seconds per iteration of ``elements`` groups (no overlap)."""
+        if candidate.exchange == "dense":
+            return 0.0 if self.nodes < 2 else sum(cost(n * self.itemsize) for n in elements)
+        line = compressed_cost(candidate.exchange, self.nodes, link_cost(cost, self.nodes),
+                               candidate.ratio, self.itemsize, self.cpu)
+        return sum(line(n * self.itemsize) for n in elements)
+
+    def _time_of(self, cost: LinearCost, elements: Sequence[int]) -> Callable[[float], float]:
+        """Seconds per iteration against the ratio: between the ratios measured, the
+        measured steps (interpolated over log ratio); beyond them the cost model, shifted to
+        meet the nearest measurement (the model misses the compute and what it cannot see)."""
+        def model(ratio: float) -> float:
+            return min(self.model_s(Candidate(e, ratio), cost, elements)
+                       for e in self._exchanges())
+
+        fastest: dict[float, float] = {}  # ratio -> its fastest measured step
+        for c, step in self.trials.measured.items():
+            if c.exchange != "dense":
+                fastest[c.ratio] = min(step, fastest.get(c.ratio, math.inf))
+        if not fastest:
+            return model
+        xs = [math.log(r) for r in sorted(fastest)]
+        ys = [fastest[r] for r in sorted(fastest)]
+        low, high = min(fastest), max(fastest)
+
+        def time_of(ratio: float) -> float:
+            if ratio < low:
+                return model(ratio) + ys[0] - model(low)
+            if ratio > high:
+                return model(ratio) + ys[-1] - model(high)
+            return float(np.interp(math.log(ratio), xs, ys))
+
+        return time_of

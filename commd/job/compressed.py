@@ -1,0 +1,68 @@
+"""A compressed job's state on this node: the error-feedback residuals, what this iteration's
+compressed groups measured, and the exchange that runs them (``commd.compression.exchange``).
+
+The pipeline owns when a group runs; this owns what a compressed group does to the node's sum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from commd.compression.exchange import GroupExchange
+from commd.compression.topk import topk_count
+from commd.job.measurements import CommSample
+from commd.job.schedule import Plan
+from commd_protocol.peer import ALLGATHER, ALLREDUCE
+
+INDEX_BYTES = 4  # int32 indices travel beside an allgather's values
+
+
+class NodeCompression:
+    def __init__(self, like: np.ndarray, exchange: GroupExchange) -> None:
+        self.exchange = exchange
+        self.residual = np.zeros_like(like)  # one float per element, zero at the start
+        self.pending = False  # a compressed group ran since the last all-dense iteration
+        self.gains: list[float] = []  # per compressed group of this iteration
+        # per compressed group of this iteration: (elements, selection s, update s, overhead s)
+        self.cpu: list[tuple[int, float, float, float]] = []
+
+    async def run(self, plan: Plan, index: int, iteration: int, total: np.ndarray,
+                  turn: asyncio.Future[None], issued: asyncio.Future[None]
+                  ) -> tuple[float, CommSample]:
+        """Group ``index``'s node sum ``total`` exchanged and written back into it; returns
+        its gain and the sample of its value collective(s)."""
+        self.pending = True
+        start, stop = plan.spans[index]
+        k = topk_count(stop - start, plan.ratio)
+        residual = self.residual[start:stop]
+        itemsize = total.itemsize
+        key = (iteration, index)
+        if plan.exchanges[index] == "allreduce":
+            leader = iteration % self.exchange.nodes
+            result = await self.exchange.allreduce(total, residual, k, leader, turn, issued)
+            sample = CommSample(key, k * itemsize, result.wire_s, ALLREDUCE)
+        else:
+            result = await self.exchange.allgather(total, residual, k, turn, issued)
+            sample = CommSample(key, k * (itemsize + INDEX_BYTES), result.wire_s, ALLGATHER)
+        cpu = result.cpu
+        self.gains.append(result.gain)
+        self.cpu.append((cpu.elements, cpu.select_s, cpu.update_s, cpu.overhead_s))
+        return result.gain, sample
+
+    def flush(self, total: np.ndarray, start: int, stop: int) -> None:
+        """A dense group of a compressed job: what top-k held back is sent with it."""
+        residual = self.residual[start:stop]
+        np.add(total, residual, out=total)
+        residual[...] = 0
+
+    def end_iteration(self, exchanges: Sequence[str]
+                      ) -> tuple[float, list[tuple[int, float, float, float]]]:
+        """The iteration's mean gain and CPU rows, and a fresh start for the next one."""
+        gain = float(np.mean(self.gains)) if self.gains else 1.0
+        cpu, self.gains, self.cpu = self.cpu, [], []
+        if self.pending and all(e == "dense" for e in exchanges):
+            self.pending = False  # a dense iteration sent every residual
+        return gain, cpu

@@ -1,0 +1,145 @@
+"""Compressed groups are pipelined: group g+1's CPU work (E = S + R, the selection) runs while
+group g is on the wire, and yet every node issues the collectives in plan order. A compressed
+job that runs dense sends its residual along. The engine is a stand-in whose collectives stay
+'on the wire' until the test lets them finish (the exact results over real daemons are in
+test_compression.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from commd.compression import exchange
+from commd.job.measurements import IterationRecord
+from commd.job.pipeline import Pipeline, make_plan
+
+pytestmark = pytest.mark.timeout(30)
+
+SIZES = [400, 300, 200]  # forward order; one group per layer
+
+
+class HeldEngine:
+    """Broadcasts finish at once; all-reduces stay on the wire until ``release``; the
+    all-reduce doubles the values, as if the other node sent the same."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.held: list[asyncio.Future[float | None]] = []
+
+    def _future(self) -> asyncio.Future[float | None]:
+        return asyncio.get_running_loop().create_future()
+
+    def broadcast(self, buffer: Any, root: int, dtype: str) -> asyncio.Future[float | None]:
+        self.log.append(f"broadcast {buffer.size}")
+        future = self._future()
+        future.set_result(None)
+        return future
+
+    def allreduce(self, buffer: Any, dtype: str) -> asyncio.Future[float | None]:
+        self.log.append(f"allreduce {buffer.size}")
+        buffer *= 2
+        future = self._future()
+        self.held.append(future)
+        return future
+
+    def release(self) -> None:
+        for future in self.held:
+            if not future.done():
+                future.set_result(None)
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(2)
+    yield pool
+    pool.shutdown()
+
+
+async def until(condition: Any) -> None:
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("condition not reached")
+
+
+def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str]
+         ) -> tuple[Pipeline, list[np.ndarray], list[IterationRecord], list[BaseException]]:
+    buffers = [np.zeros(sum(SIZES), np.float32)]
+    records: list[IterationRecord] = []
+    failures: list[BaseException] = []
+    pipeline = Pipeline(
+        sizes=SIZES, buffers=buffers, dtype="float32", op="sum", world_size=2, engine=engine,
+        executor=executor, on_complete=lambda i, v: None, on_record=records.append,
+        on_failure=failures.append, node_index=0, nodes=2, compressed=True,
+    )
+    pipeline.schedule(0, make_plan(1, [[2], [1], [0]], SIZES, exchanges, ratio=0.1))
+    return pipeline, buffers, records, failures
+
+
+async def test_the_next_group_is_selected_while_the_previous_is_on_the_wire(
+        executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    selected = exchange.select_topk
+
+    def logged(error: np.ndarray, k: int, scratch: Any = None) -> np.ndarray:
+        log.append(f"select {error.size}")
+        return selected(error, k, scratch)
+
+    monkeypatch.setattr(exchange, "select_topk", logged)
+    engine = HeldEngine(log)
+    pipeline, buffers, records, failures = make(executor, engine, ["allreduce"] * 3)
+    buffers[0][:] = np.random.default_rng(0).standard_normal(buffers[0].size)
+    pipeline.start()
+    pipeline.mark(0, [0, 1, 2])
+    # Group 0 (layer 2, 200 elements) goes on the wire and is held there, while groups 1
+    # and 2 are selected and their collectives queue behind, in plan order.
+    await until(lambda: "allreduce 40" in log)
+    assert not any(future.done() for future in engine.held)
+    assert {"select 300", "select 400"} <= set(log)
+    issued = [line for line in log if not line.startswith("select")]
+    assert issued == ["broadcast 20", "allreduce 20", "broadcast 30", "allreduce 30",
+                      "broadcast 40", "allreduce 40"]
+    engine.release()
+    await until(lambda: records)
+    assert failures == []
+    # Measured CPU work, per group: (elements, selection s, update s).
+    assert [row[0] for row in records[0].cpu] == [200, 300, 400]
+    assert all(select > 0 and update > 0 and overhead >= 0
+               for _, select, update, overhead in records[0].cpu)
+    pipeline.stop()
+
+
+async def test_a_compressed_job_that_runs_dense_sends_its_residual(
+        executor: ThreadPoolExecutor) -> None:
+    log: list[str] = []
+    engine = HeldEngine(log)
+    pipeline, buffers, records, failures = make(executor, engine, ["allreduce"] * 3)
+    pipeline.schedule(1, make_plan(2, [[0, 1, 2]], SIZES, ["dense"], ratio=0.1))
+    gradient = np.random.default_rng(1).standard_normal(buffers[0].size).astype(np.float32)
+    buffers[0][:] = gradient
+    pipeline.start()
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: len(engine.held) == 3)
+    engine.release()
+    await until(lambda: records)
+    sent = buffers[0].copy() / 2  # the all-reduce doubled what this node sent
+    compression = pipeline.compression
+    assert compression is not None
+    np.testing.assert_allclose(sent + compression.residual, gradient, rtol=1e-6)
+    assert np.count_nonzero(compression.residual) > 0  # top-k held most of it back
+    buffers[0][:] = 0  # iteration 1, dense: nothing new, the residual goes out
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: len(engine.held) == 4)
+    expected = 2 * (gradient - sent)
+    engine.release()
+    await until(lambda: len(records) == 2)
+    np.testing.assert_allclose(buffers[0], expected, rtol=1e-5, atol=1e-6)
+    assert not compression.residual.any() and not compression.pending
+    assert failures == []
+    pipeline.stop()

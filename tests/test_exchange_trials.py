@@ -1,0 +1,219 @@
+"""The measured choice of a compressed job's exchange: trials, hysteresis, re-trials, and the
+Replanner driving them from report rounds (pure: no daemons)."""
+
+from __future__ import annotations
+
+import pytest
+
+from commd.coordinator.exchange_trials import (
+    DENSE,
+    HYSTERESIS,
+    RETRIAL_CHANGE,
+    RETRIAL_ROUNDS,
+    Candidate,
+    ExchangeTrials,
+)
+from commd.coordinator.replanner import Replanner
+from commd.plan import LinearCost
+from commd_protocol import PeerProfile
+
+AG, AR = Candidate("allgather", 0.01), Candidate("allreduce", 0.01)
+
+
+def run_trials(trials: ExchangeTrials, predicted: dict[Candidate, float],
+               measured: dict[Candidate, float], rounds: int = 6) -> list[Candidate]:
+    """Each round runs what ``next`` says and measures it as ``measured`` says."""
+    ran = []
+    for _ in range(rounds):
+        candidate, _why = trials.next(predicted)
+        ran.append(candidate)
+        trials.observe(candidate, measured[candidate])
+    return ran
+
+
+def test_the_model_proposes_and_the_measurement_decides() -> None:
+    trials = ExchangeTrials()
+    # The model thinks the allgather is best; in reality the AR-compatible one is (CPU).
+    predicted = {DENSE: 0.050, AG: 0.010, AR: 0.012}
+    measured = {DENSE: 0.140, AG: 0.118, AR: 0.075}
+    ran = run_trials(trials, predicted, measured)
+    assert ran[:2] == [AG, AR]  # the predicted best first, then the next predicted
+    assert DENSE in ran  # predicted 50 ms < the best measured step (75 ms): worth a round
+    assert trials.chosen == AR and ran[-1] == AR and trials.state == "measured"
+    assert dict((name, m) for name, _, m in trials.table())["allreduce@0.01"] == 0.075
+
+
+def test_dense_is_chosen_where_compression_does_not_pay() -> None:
+    trials = ExchangeTrials()
+    predicted = {DENSE: 0.040, AG: 0.035, AR: 0.030}  # close: everything is measured
+    measured = {DENSE: 0.046, AG: 0.120, AR: 0.069}
+    run_trials(trials, predicted, measured)
+    assert trials.chosen == DENSE
+
+
+def test_a_candidate_predicted_slower_than_a_measured_step_is_not_run() -> None:
+    trials = ExchangeTrials()
+    predicted = {DENSE: 1.2, AG: 0.04, AR: 0.03}  # 100 Mbit/s: dense cannot win
+    measured = {DENSE: 1.17, AG: 0.2, AR: 0.13}
+    ran = run_trials(trials, predicted, measured)
+    assert DENSE not in ran
+    assert trials.chosen == AR
+    table = {name: m for name, _, m in trials.table()}
+    assert table["dense"] == -1.0  # predicted only
+
+
+def test_hysteresis_keeps_the_previous_choice_when_within_noise() -> None:
+    trials = ExchangeTrials()
+    predicted = {DENSE: 0.05, AG: 0.05, AR: 0.05}
+    run_trials(trials, predicted, {DENSE: 0.100, AG: 0.2, AR: 0.2})
+    assert trials.chosen == DENSE
+    # The step drifts (new network): every candidate is measured again, AR now 3 % faster.
+    for _ in range(RETRIAL_ROUNDS - 1):  # a few rounds: noise?
+        assert trials.observe(DENSE, 0.100 * (1 + 2 * RETRIAL_CHANGE)) == ""
+    why = trials.observe(DENSE, 0.100 * (1 + 2 * RETRIAL_CHANGE))
+    assert "measuring the exchanges again" in why and trials.chosen is None
+    slower = 0.100 * (1 + 2 * RETRIAL_CHANGE)
+    run_trials(trials, predicted, {DENSE: slower, AG: 0.5, AR: slower / (1 + HYSTERESIS / 2)})
+    assert trials.chosen == DENSE and trials.epoch == 1
+
+
+def test_a_single_noisy_round_does_not_start_trials_again() -> None:
+    trials = ExchangeTrials()
+    predicted = {DENSE: 0.05, AG: 0.01, AR: 0.02}
+    run_trials(trials, predicted, {DENSE: 0.2, AG: 0.1, AR: 0.15})
+    assert trials.chosen == AG
+    for step in (0.1, 0.5, 0.5, 0.1, 0.5, 0.1):  # outliers, never three in a row
+        assert trials.observe(AG, step) == ""
+    assert trials.chosen == AG and trials.epoch == 0
+
+
+def test_non_positive_steps_are_ignored() -> None:
+    trials = ExchangeTrials()
+    trials.next({DENSE: 0.1, AG: 0.01})
+    assert trials.observe(AG, 0.0) == "" and trials.measured == {}
+
+
+# --- the Replanner drives the trials from report rounds ---------------------------------------
+
+SIZES = [4 * 1_000_000]  # one layer of a million float32
+LAN = LinearCost(alpha_s=200e-6, beta_s_per_byte=1e-9)
+
+
+def report(round_: int, plan: int, step_s: float,
+           cpu: tuple[float, float, float] = (2e-9, 2e-9, 1e-4),
+           gains: list[list[float]] | None = None, skew_s: float = 0.0,
+           net: LinearCost = LAN) -> PeerProfile:
+    """``skew_s``: added to every collective after the probe (nodes arriving late)."""
+    sizes = [1 << 10, 1 << 20, 4 << 20] if round_ == 0 else [1 << 10, 4 << 20]
+    comm = [[10 * round_ - 1, i, n, float(net(n)) + (skew_s if round_ else 0.0)]
+            for i, n in enumerate(sizes)]
+    return PeerProfile(job="j", round=round_, iteration=10 * round_ - 1 if round_ else -1,
+                       ready_offsets_s=[0.0] if round_ else [], comm=comm, plan=plan,
+                       step_s=step_s, cpu_s_per_element=list(cpu) if round_ else [],
+                       gains=gains or [])
+
+
+def drive(replanner: Replanner, steps: dict[str, float], rounds: int,
+          net: LinearCost = LAN) -> list[str]:
+    """Rounds whose step time is what ``steps`` says for the exchange in force."""
+    decision = replanner.decide([report(0, 0, 0.0, net=net)] * 2)
+    ran = []
+    for round_ in range(1, rounds + 1):
+        kind = decision.exchanges[0] if decision.exchanges else "dense"
+        ran.append(kind)
+        decision = replanner.decide(
+            [report(round_, decision.version, steps[kind], gains=[[decision.ratio, 0.5]],
+                    net=net)] * 2)
+    return ran
+
+
+def test_replanner_measures_the_exchanges_and_keeps_the_fastest() -> None:
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:0.01")
+    ran = drive(replanner, {"dense": 0.040, "allgather": 0.120, "allreduce": 0.070}, 8)
+    assert set(ran[:4]) == {"dense", "allgather", "allreduce"}, ran
+    assert ran[-3:] == ["dense"] * 3, ran  # dense measured fastest: no compression
+    decision = replanner.decide([report(9, replanner.version, 0.040)] * 2)
+    assert decision.selection == "measured"
+    measured = {name: m for name, _, m in decision.candidates}
+    assert measured["dense"] == pytest.approx(0.040)
+    assert replanner.policy is not None
+    assert replanner.policy.cpu.update_s_per_element == pytest.approx(2e-9)
+    assert replanner.policy.cpu.per_group_s == pytest.approx(1e-4)
+
+
+def test_a_forced_exchange_is_never_measured_against_others() -> None:
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:0.01:allgather")
+    ran = drive(replanner, {"dense": 0.001, "allgather": 0.5, "allreduce": 0.001}, 6)
+    assert ran == ["allgather"] * 6
+    assert replanner.decide([report(7, replanner.version, 0.5)]).selection == "forced"
+
+
+def test_topk_auto_explores_then_measures_at_the_picked_ratio() -> None:
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:auto")
+    decision = replanner.decide([report(0, 0, 0.0)])
+    ratios = [decision.ratio]
+    selections = [decision.selection]
+    for round_ in range(1, 10):
+        ratio = decision.ratio
+        kind = decision.exchanges[0]
+        # Compressed steps grow with the ratio (more to send); dense is slowest here.
+        step = {"dense": 0.2, "allgather": 0.1, "allreduce": 0.08}[kind] + (
+            0.0 if kind == "dense" else ratio)
+        decision = replanner.decide([report(round_, decision.version, step,
+                                            gains=[[ratio, min(1.0, 4 * ratio**0.5)]])])
+        ratios.append(decision.ratio)
+        selections.append(decision.selection)
+    assert ratios[:3] == [0.1, 0.01, 0.001] and selections[:3] == ["exploring"] * 3
+    # A trade-off between the measured time and the gain: neither end of the range.
+    assert ratios[-1] not in (0.1, 0.01, 0.001) and 0.001 <= ratios[-1] <= 0.1
+    assert selections[-1] == "measured" and decision.exchanges == ["allreduce"]
+
+
+def test_topk_auto_keeps_the_best_gain_when_the_ratio_costs_no_time() -> None:
+    """Where the measured step does not depend on the ratio (CPU-bound, loopback), the
+    largest ratio sends the most for the same time: the front is that one point."""
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:auto")
+    decision = replanner.decide([report(0, 0, 0.0)])
+    for round_ in range(1, 8):
+        ratio = decision.ratio
+        decision = replanner.decide([report(round_, decision.version, 0.1,
+                                            gains=[[ratio, 0.5 * ratio**0.3]])])
+    assert decision.ratio == pytest.approx(0.1)
+
+
+def test_the_network_model_comes_from_dense_collectives_only() -> None:
+    """Compressed rounds' collectives wait for nodes busy selecting: their fit would make
+    dense look 100× dearer than it is. Dense's prediction stays on the probe's a, b."""
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:0.01")
+    decision = replanner.decide([report(0, 0, 0.0)] * 2)
+    probe_dense = {name: p for name, p, _ in decision.candidates}["dense"]
+    for round_ in range(1, 4):
+        kind = decision.exchanges[0]
+        if kind == "dense":
+            break
+        decision = replanner.decide([report(round_, decision.version, 0.05, skew_s=0.04)] * 2)
+        dense = {name: p for name, p, _ in decision.candidates}["dense"]
+        assert dense == pytest.approx(probe_dense, rel=0.01)
+        assert decision.cost.alpha_s == pytest.approx(LAN.alpha_s, rel=0.01)
+
+
+def test_after_a_change_dense_is_measured_again_whatever_its_stale_prediction() -> None:
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:0.01")
+    slow = LinearCost(alpha_s=2e-3, beta_s_per_byte=100e-9)  # dense: ~0.4 s per iteration
+    ran = drive(replanner, {"dense": 0.4, "allgather": 0.12, "allreduce": 0.07}, 5, net=slow)
+    assert "dense" not in ran and ran[-1] == "allreduce"
+    # The network got much faster: the chosen exchange's step moves for two rounds …
+    round_ = 6
+    for _ in range(RETRIAL_ROUNDS):
+        decision = replanner.decide([report(round_, replanner.version, 0.03, net=slow)] * 2)
+        round_ += 1
+    assert "measuring the exchanges again" in decision.reason
+    kinds = []
+    for _ in range(4):  # … and dense, predicted slow from old fits, is measured anyway.
+        kind = decision.exchanges[0]
+        kinds.append(kind)
+        step = {"dense": 0.02, "allgather": 0.05, "allreduce": 0.03}[kind]
+        decision = replanner.decide([report(round_, decision.version, step)] * 2)
+        round_ += 1
+    assert "dense" in kinds
+    assert decision.exchanges == ["dense"]
