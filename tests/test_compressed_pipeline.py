@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from polling import until
 
 from commd.compression import exchange
 from commd.job.measurements import IterationRecord
@@ -58,14 +59,6 @@ def executor() -> Iterator[ThreadPoolExecutor]:
     pool = ThreadPoolExecutor(2)
     yield pool
     pool.shutdown()
-
-
-async def until(condition: Any) -> None:
-    for _ in range(2000):
-        if condition():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("condition not reached")
 
 
 def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str]

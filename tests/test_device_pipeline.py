@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from polling import until
 
 from commd.engines.base import EngineError
 from commd.engines.buffer_ops import HostOps
@@ -95,14 +96,6 @@ def make(log: list[str], executor: ThreadPoolExecutor, engine: Any = None, op: s
     )
     pipeline.schedule(0, make_plan(1, [[2], [0, 1]], sizes))
     return pipeline, buffers, seen
-
-
-async def until(condition: Any) -> None:
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("condition not reached")
 
 
 async def test_done_before_the_device_finishes_then_the_record(executor: ThreadPoolExecutor

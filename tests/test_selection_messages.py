@@ -64,3 +64,22 @@ def test_cpu_costs_in_a_report(cpu: list[float], ok: bool) -> None:
     assert (problem == "") == ok, problem
     if not ok:
         assert "cpu_s_per_element" in problem
+
+
+def test_the_status_table_says_which_candidate_was_measured_and_which_predicted() -> None:
+    from commd.cli.status import render
+    from commd_protocol.status import read_status
+
+    status = read_status({"version": "x", "protocol": 2, "backend": "gloo", "uptime_s": 1.0,
+                          "jobs": [{"job": "j", "state": "running", "world_size": 4,
+                                    "compression": "topk:0.01", "ratio": 0.01,
+                                    "exchanges": ["allreduce"], "selection": "measured",
+                                    "candidates": [
+                                        {"name": "allreduce@0.01", "predicted_s": 0.0098,
+                                         "measured_s": 0.0746},
+                                        {"name": "dense", "predicted_s": 1.2,
+                                         "measured_s": None}]}]})
+    lines = render(status).splitlines()
+    assert any(line.endswith("exchange measured") for line in lines), lines
+    assert ("j: candidates (ms per iteration): allreduce@0.01 predicted 9.8 measured 74.6, "
+            "dense predicted 1200.0") in lines
