@@ -30,9 +30,9 @@ import numpy as np
 from commd.compression.kernels import accumulate_pairs, add_and_energy, put, take_and_clear
 from commd.compression.topk import TopkScratch, select_topk
 from commd.engines import Engine
+from commd.engines.buffer_ops import INLINE_BYTES
 
 T = TypeVar("T")
-INLINE_ELEMENTS = 65_536  # groups up to this size are worked on the event loop itself
 
 
 class WireSpans(Protocol):
@@ -80,7 +80,7 @@ class GroupExchange:
             began = time.perf_counter()
             return function(buffer, *args), time.perf_counter() - began
 
-        if buffer.size <= INLINE_ELEMENTS:
+        if buffer.nbytes <= INLINE_BYTES:
             return timed()
         return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
 

@@ -33,12 +33,11 @@ __all__ = [
     "ordered_sum",
     "put",
     "run_parts",
-    "scatter",
     "take_and_clear",
 ]
 
 CHUNK = 131_072  # elements: 512 KiB of float32, a chunk's temporaries stay in L2
-INDEX_CHUNK = 32_768  # indices per step of the gather/scatter kernels
+INDEX_CHUNK = 32_768  # indices per step of the gather/put kernels
 WORKERS = min(4, os.cpu_count() or 1)
 # Elements from which a kernel splits its buffer over the pool. Off below 4 CPUs: on 2 cores
 # the daemon's own 2-worker executor already fills them, and a split measured 0.64–1.3× per
@@ -123,6 +122,13 @@ def _check_ascending(piece: np.ndarray, lo: int, hi: int) -> None:
                          f"for elements [{lo}, {hi}) are not")
 
 
+def _check_all_ascending(indices: np.ndarray, size: int) -> None:
+    """All of ``indices`` strictly ascending in [0, size), checked step by step (a step's last
+    index is the next one's first)."""
+    for start in range(0, indices.size, INDEX_CHUNK):
+        _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, size)
+
+
 def check_update(residual: object, update: object) -> None:
     """Two 1-D float buffers of one dtype and size, or TypeError/ValueError naming them."""
     residual = check_float_buffer("residual", residual)
@@ -182,8 +188,7 @@ def take_and_clear(error: np.ndarray, indices: np.ndarray,
     if out.dtype != error.dtype or out.size != indices.size:
         raise ValueError(f"out must be {error.dtype} of {indices.size} elements, "
                          f"got {out.dtype} of {out.size}")
-    for start in range(0, indices.size, INDEX_CHUNK):  # a step's last index is the next's first
-        _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, error.size)
+    _check_all_ascending(indices, error.size)
 
     def work(_part: int, lo: int, hi: int) -> list[float]:
         sums = []
@@ -214,39 +219,12 @@ def _bounds(run: np.ndarray, starts: np.ndarray) -> list[int]:
     return np.maximum.accumulate(found).tolist()
 
 
-def scatter(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
-    """target = 0 except target[indices] = values; ``indices`` strictly ascending.
-
-    Chunk by chunk: zero the chunk, then write its values while it is in cache. A bad index
-    raises ValueError; ``target`` is then partly written.
-    """
-    _check_pairs(target, indices, values)
-    starts = np.arange(0, target.size + CHUNK, CHUNK, dtype=np.int64)
-    starts[-1] = max(target.size, 1)
-    bounds = _bounds(indices, starts)
-
-    def work(_part: int, lo: int, hi: int) -> None:
-        for start in range(lo, hi, CHUNK):
-            chunk = target[start:min(hi, start + CHUNK)]
-            _zero(chunk)
-            first, last = bounds[start // CHUNK], bounds[start // CHUNK + 1]
-            if last > first:
-                piece = indices[first:last]
-                _check_ascending(piece, start, start + chunk.size)
-                chunk[np.subtract(piece, start, dtype=np.intp)] = values[first:last]
-
-    if target.size == 0:
-        _check_ascending(indices, 0, 0)
-    run_parts(target.size, work)
-
-
 def put(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
     """target[indices] = values into an already zeroed ``target`` (``add_and_energy(...,
-    clear=True)``): the scatter without its zeroing pass. ``indices`` strictly ascending,
-    checked before anything is written."""
+    clear=True)``), so no zeroing pass. ``indices`` strictly ascending, checked before anything
+    is written."""
     _check_pairs(target, indices, values)
-    for start in range(0, indices.size, INDEX_CHUNK):
-        _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, target.size)
+    _check_all_ascending(indices, target.size)
     for start in range(0, indices.size, INDEX_CHUNK):
         stop = start + INDEX_CHUNK
         target[indices[start:stop].astype(np.intp)] = values[start:stop]

@@ -20,6 +20,9 @@ from commd.engines.dtypes import numpy_dtype
 
 Buffer = Any  # numpy.ndarray on the host, cupy.ndarray on a device
 
+# Below this many bytes a host memory op is cheaper inline than a hop to a worker thread.
+INLINE_BYTES = 256 * 1024
+
 
 class BufferOps(ABC):
     kind: str = "cpu"  # "cpu" or "cuda": which engines can take these buffers

@@ -26,7 +26,7 @@ import numpy as np
 
 from commd.compression.exchange import GroupExchange
 from commd.engines import Engine
-from commd.engines.buffer_ops import Buffer, BufferOps, HostOps
+from commd.engines.buffer_ops import INLINE_BYTES, Buffer, BufferOps, HostOps
 from commd.job.compressed import NodeCompression
 from commd.job.latency import LatencyWindow
 from commd.job.measurements import CommSample, IterationRecord, StepClock, WireClock
@@ -37,9 +37,6 @@ from commd.job.watchdog import CollectiveWatch
 from commd_protocol.status import LatencySummary, PlanChange
 
 __all__ = ["Pipeline", "PipelineSnapshot", "Plan", "ReadyError", "make_plan"]
-
-# Below this many bytes a memory op is cheaper inline than a hop to a worker thread.
-_INLINE_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -295,7 +292,7 @@ class Pipeline:
             await self._memory(self.ops.finish, views[0], views[1:], self._factor(), self.dtype)
 
     async def _memory(self, function: Callable[..., None], buffer: Buffer, *args: Any) -> None:
-        if self.ops.stream_ordered or buffer.nbytes <= _INLINE_BYTES:
+        if self.ops.stream_ordered or buffer.nbytes <= INLINE_BYTES:
             function(buffer, *args)
             return
         await asyncio.get_running_loop().run_in_executor(self._executor, function, buffer, *args)
