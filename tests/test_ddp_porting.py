@@ -60,7 +60,7 @@ from typing import Any
 import pytest
 import torch
 
-from commd.testing.daemons import LocalDaemon
+from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.processes import FinishTimeout, finish, kill_all
 
 SCRIPTS = Path(__file__).with_name("ddp_scripts")
@@ -100,15 +100,8 @@ class Run:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon]]:
     """Two real `commd run` daemons on 127.0.0.1, stopped after the last test."""
-    workdir = tmp_path_factory.mktemp("porting-daemons")
-    started: list[LocalDaemon] = []
-    try:
-        for name in ("d0", "d1"):
-            started.append(LocalDaemon(workdir, name, "--backend", "gloo"))
+    with gloo_daemons(tmp_path_factory.mktemp("porting-daemons")) as started:
         yield started
-    finally:
-        for daemon in started:
-            daemon.stop()
 
 
 @pytest.fixture(scope="module", params=["spawn", "env"])

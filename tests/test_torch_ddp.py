@@ -23,7 +23,7 @@ import torch
 from ddp_worker import batch, build_model, loss_of, sgd_step
 from torch import nn
 
-from commd.testing.daemons import LocalDaemon
+from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.processes import finish, start_json_worker
 from commd_client import CommdError
 from commd_client._torch_common import check_cpu
@@ -36,15 +36,8 @@ EXAMPLE = str(Path(__file__).parents[1] / "examples" / "train.py")
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon]]:
     """Two real `commd run` daemons on 127.0.0.1, stopped after the last test."""
-    workdir = tmp_path_factory.mktemp("ddp-daemons")
-    started: list[LocalDaemon] = []
-    try:
-        for name in ("d0", "d1"):
-            started.append(LocalDaemon(workdir, name, "--backend", "gloo"))
+    with gloo_daemons(tmp_path_factory.mktemp("ddp-daemons")) as started:
         yield started
-    finally:
-        for daemon in started:
-            daemon.stop()
 
 
 def run_ranks(

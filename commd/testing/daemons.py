@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from commd.testing.processes import stop_process
@@ -87,6 +87,20 @@ class LocalDaemon:
         with contextlib.suppress(OSError):
             os.rmdir(self._notify_dir)
         return code
+
+
+@contextlib.contextmanager
+def gloo_daemons(workdir: Path, names: Sequence[str] = ("d0", "d1")) -> Iterator[list[LocalDaemon]]:
+    """Real `commd run` daemons (Gloo) on 127.0.0.1, one per name, stopped on the way out —
+    also when one of them fails to start."""
+    started: list[LocalDaemon] = []
+    try:
+        for name in names:
+            started.append(LocalDaemon(workdir, name, "--backend", "gloo"))
+        yield started
+    finally:
+        for daemon in started:
+            daemon.stop()
 
 
 def workdir_key(workdir: Path) -> str:
