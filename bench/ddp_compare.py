@@ -31,6 +31,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -163,8 +164,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     teacher = spec["task"] == "teacher"
     model = ddp_tasks.deep_mlp() if teacher else build_model(spec["model"])
     wrapped, close = wrap(model, spec)
-    if teacher:
-        optimizer = ddp_tasks.optimizer(wrapped.parameters(), spec["lr"])
+    if teacher:  # with momentum correction the daemon keeps the momentum, not the optimizer
+        corrected = spec["impl"] == "commd" and ":momentum=" in spec["compression"]
+        optimizer = ddp_tasks.optimizer(wrapped.parameters(), spec["lr"],
+                                        0.0 if corrected else ddp_tasks.MOMENTUM)
     else:
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
     loss_of = ddp_tasks.loss if teacher else F.cross_entropy
@@ -184,12 +187,35 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         phases.append((forward - start, backward - forward, start + times[-1] - backward))
         losses.append(float(loss.detach()))
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    ran = final_exchange(spec) if spec["impl"] == "commd" and spec["rank"] == 0 else ""
+    held_out = float("nan")
+    if teacher:
+        with torch.no_grad():
+            held_out = float(ddp_tasks.loss(model(ddp_tasks.held_out()[0]),
+                                            ddp_tasks.held_out()[1]))
     close()
     measured = times[spec["warmup"]:]
     split = [1e3 * statistics.fmean(p[i] for p in phases[spec["warmup"]:]) for i in range(3)]
     return {"mean_ms": 1e3 * statistics.fmean(measured), "phases_ms": split,
             "median_ms": 1e3 * statistics.median(measured), "checksum": checksum,
-            "losses": losses}
+            "losses": losses, "held_out": held_out, "ran": ran}
+
+
+def final_exchange(spec: dict[str, Any]) -> str:
+    """What the job's compressed groups ran at the end, from the daemon's status: ``dense``,
+    or ``EXCHANGE@RATIO`` (the most groups' exchange); "" for a dense job or no status."""
+    from commd.cli.status import NoDaemon, query
+
+    try:
+        status = query(spec["socket"], timeout_s=5.0)
+    except NoDaemon:
+        return ""
+    for job in status.get("jobs", []):
+        if job["job"].startswith(spec["job"]) and job.get("compression"):
+            kinds = job.get("exchanges") or ["dense"]
+            kind = max(set(kinds), key=kinds.count)
+            return kind if kind == "dense" else f"{kind}@{job.get('ratio') or 0:.3g}"
+    return ""
 
 
 # --- daemons and ranks as processes, on loopback or inside namespaces -----------------------------
@@ -253,7 +279,7 @@ def run_job(variant: Variant, entry: str, nodes: Sequence[Node], args: argparse.
     and whether the ranks agree."""
     port = free_port() if nodes[0].host == "127.0.0.1" else 29000 + os.getpid() % 1000
     model, batch = model_and_batch(entry, args)
-    name = f"{variant.impl}-{variant.compression.replace(':', '')}"
+    name = f"{variant.impl}-{re.sub('[^a-z0-9.]', '', variant.compression)}"
     job = f"bench-{tag.replace(' ', '-')}-{model}-{name}-{os.getpid()}-{next(_JOBS)}"
     processes = []
     for rank, node in enumerate(nodes):
@@ -354,6 +380,8 @@ class Outcome:
 
     means_ms: list[float] = field(default_factory=list)
     curves: list[list[float]] = field(default_factory=list)  # loss per step, per repeat
+    held_out: list[float] = field(default_factory=list)  # the final model's, per repeat
+    ran: list[str] = field(default_factory=list)  # commd's exchange at the end, per repeat
     agree: bool = True
     errors: list[str] = field(default_factory=list)
 
@@ -362,6 +390,9 @@ class Outcome:
 
     def final_loss(self) -> float:
         return statistics.fmean(self.mean_curve()[-LOSS_TAIL:])
+
+    def held_out_loss(self) -> float:
+        return statistics.fmean(self.held_out)
 
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
@@ -394,10 +425,13 @@ def run_variants(link: str, nodes: Sequence[Node], args: argparse.Namespace
                 continue
             outcome.means_ms.append(result["mean_ms"])
             outcome.curves.append(result["losses"])
+            outcome.held_out.append(result["held_out"])
+            outcome.ran.append(result["ran"])
             outcome.agree = outcome.agree and result["agree"]
             print(f"  {link} #{repeat + 1} {variant.label}: {result['mean_ms']:.1f} ms per step "
                   f"(median {result['median_ms']:.1f}), final loss "
-                  f"{statistics.fmean(result['losses'][-LOSS_TAIL:]):.3f}, ranks agree "
+                  f"{statistics.fmean(result['losses'][-LOSS_TAIL:]):.3f}, held-out "
+                  f"{result['held_out']:.3f}, ran {result['ran'] or '-'}, ranks agree "
                   f"{result['agree']}, {time.monotonic() - started:.0f} s", flush=True)
     return outcomes
 
@@ -408,22 +442,24 @@ def variant_table(outcomes: dict[Variant, Outcome]) -> str:
     commd_dense = outcomes.get(Variant("commd", "none"))
     torch_ms = statistics.median(torch_dense.means_ms) if torch_dense and \
         torch_dense.means_ms else None
-    dense_loss = commd_dense.final_loss() if commd_dense and commd_dense.curves else None
+    dense = commd_dense if commd_dense and commd_dense.curves else None
     rows = []
     for variant, outcome in outcomes.items():
         if not outcome.means_ms:
-            rows.append([variant.label, "failed", "-", "-", "-", "-"])
+            rows.append([variant.label, "failed", "-", "-", "-", "-", "-", "-", "-"])
             continue
-        ms, loss = statistics.median(outcome.means_ms), outcome.final_loss()
+        ms, loss, held = (statistics.median(outcome.means_ms), outcome.final_loss(),
+                          outcome.held_out_loss())
         spread = (f" ({min(outcome.means_ms):.0f}–{max(outcome.means_ms):.0f})"
                   if len(outcome.means_ms) > 1 else "")
         rows.append([
             variant.label, f"{ms:.1f}{spread}", f"{ms / torch_ms:.2f}" if torch_ms else "-",
-            f"{loss:.3f}", f"{loss / dense_loss:.3f}" if dense_loss else "-",
-            "yes" if outcome.agree else "NO",
+            f"{loss:.3f}", f"{loss / dense.final_loss():.3f}" if dense else "-",
+            f"{held:.3f}", f"{held / dense.held_out_loss():.3f}" if dense else "-",
+            ", ".join(sorted(set(outcome.ran) - {""})) or "-", "yes" if outcome.agree else "NO",
         ])
     header = ["variant", "ms/step", "× torch DDP", f"final loss (last {LOSS_TAIL})",
-              "× commd none", "ranks agree"]
+              "× commd none", "held-out loss", "× commd none", "ran at the end", "ranks agree"]
     return markdown_table(header, rows)
 
 
@@ -487,7 +523,8 @@ def plot(path: str, links: dict[str, dict[Variant, Outcome]], args: argparse.Nam
 
 def save_json(path: str, links: dict[str, dict[Variant, Outcome]], command: str) -> None:
     data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "links": {
-        link: {variant.label: {"means_ms": o.means_ms, "losses": o.curves, "agree": o.agree,
+        link: {variant.label: {"means_ms": o.means_ms, "losses": o.curves, "held_out": o.held_out,
+                               "ran": o.ran, "agree": o.agree,
                                "errors": o.errors} for variant, o in outcomes.items()}
         for link, outcomes in links.items()}}
     Path(path).write_text(json.dumps(data, indent=1))

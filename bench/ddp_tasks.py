@@ -23,6 +23,8 @@ CLASSES = 10
 LAYERS = 48
 TEACHER_SEED = 1234
 DATA_SEED = 5678
+EVAL_SEED = 91011
+EVAL_SAMPLES = 4096  # the held-out set: the final model's loss on it is the table's loss
 INIT_NOISE = 0.1  # std of the init's deviation from the identity, times sqrt(fan_in)
 LAST_LAYER_GAIN = 0.1
 DEFAULT_LR = 0.01
@@ -66,6 +68,15 @@ class TeacherStream:
         return x, (x @ self.weight).argmax(dim=1)
 
 
+def held_out() -> tuple[Any, Any]:
+    """EVAL_SAMPLES fixed samples no rank trains on (their own seed), labelled by the teacher."""
+    import torch
+
+    stream = TeacherStream(0, EVAL_SAMPLES)
+    stream.data = torch.Generator().manual_seed(EVAL_SEED)
+    return stream.next()
+
+
 def loss(output: Any, labels: Any) -> Any:
     """Cross-entropy over the student's first CLASSES outputs."""
     import torch.nn.functional as F
@@ -73,8 +84,9 @@ def loss(output: Any, labels: Any) -> Any:
     return F.cross_entropy(output[:, :CLASSES], labels)
 
 
-def optimizer(parameters: Any, lr: float = DEFAULT_LR) -> Any:
-    """SGD with momentum: the setting top-k with error feedback is usually studied in."""
+def optimizer(parameters: Any, lr: float = DEFAULT_LR, momentum: float = MOMENTUM) -> Any:
+    """SGD with momentum: the setting top-k with error feedback is usually studied in. With
+    commd's momentum correction the momentum is the daemon's, and the optimizer's is 0."""
     import torch
 
-    return torch.optim.SGD(parameters, lr=lr, momentum=MOMENTUM)
+    return torch.optim.SGD(parameters, lr=lr, momentum=momentum)

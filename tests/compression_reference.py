@@ -13,8 +13,14 @@ def topk(error: np.ndarray, k: int) -> np.ndarray:
 
 
 def exchange(node_sums: Sequence[np.ndarray], residuals: list[np.ndarray], k: int,
-             method: str, iteration: int) -> np.ndarray:
-    """One group of one iteration: returns the dense result; updates ``residuals``."""
+             method: str, iteration: int, velocities: list[np.ndarray] | None = None,
+             momentum: float = 0.0) -> np.ndarray:
+    """One group of one iteration: returns the dense result; updates ``residuals`` (and with
+    momentum correction ``velocities``: u = m·u + S, then E = R + u)."""
+    if velocities is not None:
+        for node, total in enumerate(node_sums):
+            velocities[node] = velocities[node] * velocities[node].dtype.type(momentum) + total
+        node_sums = velocities
     errors = [s + r for s, r in zip(node_sums, residuals, strict=True)]
     result = np.zeros_like(errors[0])
     if method == "allreduce":

@@ -16,6 +16,7 @@ import pytest
 from polling import until
 
 from commd.compression import exchange
+from commd.compression.topk import CompressionSpec
 from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
 
@@ -69,7 +70,8 @@ def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str]
     pipeline = Pipeline(
         sizes=SIZES, buffers=buffers, dtype="float32", op="sum", world_size=2, engine=engine,
         executor=executor, on_complete=lambda i, v: None, on_record=records.append,
-        on_failure=failures.append, node_index=0, nodes=2, compressed=True,
+        on_failure=failures.append, node_index=0, nodes=2,
+        compression=CompressionSpec(0.1, "auto"),
     )
     pipeline.schedule(0, make_plan(1, [[2], [1], [0]], SIZES, exchanges, ratio=0.1))
     return pipeline, buffers, records, failures

@@ -100,6 +100,7 @@ async def test_bad_peer_frames_are_dropped_and_the_peer_loop_goes_on(
     ({"ranks": [0, 0], "world_size": 2}, "name a rank twice"),
     ({"ranks": [5]}, "outside world size 1"),
     ({"compression": "zip:9"}, "compression"),
+    ({"compression": "topk:auto:momentum=1.5"}, "momentum must be in [0, 1)"),
     ({"planner": "magic"}, "optimal"),
     ({"layers": []}, "at least one layer"),
     ({"layers": [{"name": "w", "size": 0}]}, "must be > 0"),

@@ -1,7 +1,10 @@
 """The two ways to exchange top-k compressed groups between nodes, with error feedback.
 
 Both run at node level on E = S + R, where S is the node's sum of its local ranks and R its
-residual (zero at the start), and leave R = E with the sent positions zeroed:
+residual (zero at the start), and leave R = E with the sent positions zeroed. With momentum
+correction (DGC's, without its factor masking) the node also keeps a velocity u = m·u + S and
+E = R + u: every gradient then reaches the sum with the weight 1/(1 − m) that momentum SGD
+gives it, only later where top-k holds it back, and the optimizer runs without momentum.
 
 * ``allreduce`` (AR-compatible top-k, STAR): the iteration's leader broadcasts its top-k
   indices of |E|; every node all-reduces its E at those indices; the sums are scattered
@@ -70,6 +73,7 @@ class GroupExchange:
     nodes: int
     dtype: str
     clock: WireSpans  # the job's wire clock: collectives queue one behind another
+    momentum: float = 0.0  # momentum correction's factor (the velocity is the caller's)
     _scratches: list[TopkScratch] = field(default_factory=list)  # free, reused every iteration
 
     async def _timed(self, function: Callable[..., T], buffer: np.ndarray,
@@ -97,15 +101,22 @@ class GroupExchange:
         finally:
             self._scratches.append(scratch)
 
-    async def allreduce(self, target: np.ndarray, residual: np.ndarray, k: int, leader: int,
+    async def _error(self, target: np.ndarray, residual: np.ndarray,
+                     velocity: np.ndarray | None) -> tuple[float, float]:
+        """E = S + R (or R + u, u = m·u + S, with momentum correction) into the residual, and
+        the seconds it took; the sum's buffer is zeroed in the same pass, ready for the
+        result's few values."""
+        return await self._timed(add_and_energy, residual, target, True, velocity,
+                                 self.momentum)
+
+    async def allreduce(self, target: np.ndarray, residual: np.ndarray,
+                        velocity: np.ndarray | None, k: int, leader: int,
                         turn: asyncio.Future[None], issued: asyncio.Future[None]
                         ) -> ExchangeResult:
         """STAR top-k; ``issued`` is set once both collectives are issued."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
-        # E = S + R into the residual; the sum's buffer is zeroed in the same pass, ready
-        # for the result's few values.
-        energy, cpu.update_s = await self._timed(add_and_energy, residual, target, True)
+        energy, cpu.update_s = await self._error(target, residual, velocity)
         indices = np.zeros(k, dtype=np.int32)
         if self.node_index == leader:
             indices, cpu.select_s = await self._select(residual, k)
@@ -131,15 +142,14 @@ class GroupExchange:
         cpu.overhead_s = _rest(began_group, waited, wire_s, cpu)
         return ExchangeResult(_gain(sent, energy), wire_s, cpu)
 
-    async def allgather(self, target: np.ndarray, residual: np.ndarray, k: int,
+    async def allgather(self, target: np.ndarray, residual: np.ndarray,
+                        velocity: np.ndarray | None, k: int,
                         turn: asyncio.Future[None], issued: asyncio.Future[None]
                         ) -> ExchangeResult:
         """Every node's own top-k pairs, summed; ``issued`` as for ``allreduce``."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
-        # E = S + R into the residual; the sum's buffer is zeroed in the same pass, ready
-        # for the result's few values.
-        energy, cpu.update_s = await self._timed(add_and_energy, residual, target, True)
+        energy, cpu.update_s = await self._error(target, residual, velocity)
         indices, cpu.select_s = await self._select(residual, k)
         (values, sent), took = await self._timed(take_and_clear, residual, indices)
         cpu.update_s += took

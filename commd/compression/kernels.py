@@ -28,6 +28,7 @@ __all__ = [
     "WORKERS",
     "accumulate_pairs",
     "add_and_energy",
+    "add_momentum",
     "check_float_buffer",
     "check_update",
     "ordered_sum",
@@ -129,38 +130,79 @@ def _check_all_ascending(indices: np.ndarray, size: int) -> None:
         _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, size)
 
 
-def check_update(residual: object, update: object) -> None:
+def check_update(residual: object, update: object, name: str = "update") -> None:
     """Two 1-D float buffers of one dtype and size, or TypeError/ValueError naming them."""
     residual = check_float_buffer("residual", residual)
-    update = check_float_buffer("update", update)
+    update = check_float_buffer(name, update)
     if update.dtype != residual.dtype:
-        raise TypeError(f"update is {update.dtype}, residual is {residual.dtype}")
+        raise TypeError(f"{name} is {update.dtype}, residual is {residual.dtype}")
     if update.shape != residual.shape:
-        raise ValueError(f"update has {update.size} elements, residual {residual.size}")
+        raise ValueError(f"{name} has {update.size} elements, residual {residual.size}")
 
 
-def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False) -> float:
+def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False,
+                   velocity: np.ndarray | None = None, momentum: float = 0.0) -> float:
     """residual += update in place; returns ‖residual‖² after the addition. ``clear``: also
     zero ``update``, chunk by chunk while it is in cache — the write-back into it (``put``,
-    ``accumulate_pairs(zeroed=True)``) then needs no pass of its own.
+    ``accumulate_pairs(zeroed=True)``) then needs no pass of its own. With ``velocity``
+    (momentum correction): velocity = momentum·velocity + update, then residual += velocity.
 
     Each chunk's sum of squares is accumulated in the buffer's dtype (numpy's einsum loop, no
     BLAS, so no BLAS threads); the chunk sums are added in float64, in chunk order.
     """
     check_update(residual, update)
+    if velocity is not None:
+        check_update(residual, velocity, "velocity")
+        _check_momentum(momentum)
 
     def work(_part: int, lo: int, hi: int) -> list[float]:
         sums = []
         for start in range(lo, hi, CHUNK):
             chunk = residual[start:min(hi, start + CHUNK)]
             source = update[start:start + chunk.size]
+            if velocity is not None:
+                source = _accelerate(velocity[start:start + chunk.size], source, momentum,
+                                     clear)
             np.add(chunk, source, out=chunk)
-            if clear:
+            if clear and velocity is None:
                 _zero(source)
             sums.append(float(np.einsum("i,i->", chunk, chunk)))
         return sums
 
     return ordered_sum(run_parts(residual.size, work))
+
+
+def add_momentum(total: np.ndarray, residual: np.ndarray, velocity: np.ndarray,
+                 momentum: float) -> None:
+    """A dense group of a momentum-corrected job: velocity = momentum·velocity + total, then
+    total = velocity + residual and residual = 0 (what top-k held back goes with it)."""
+    check_update(residual, total, "total")
+    check_update(residual, velocity, "velocity")
+    _check_momentum(momentum)
+
+    def work(_part: int, lo: int, hi: int) -> None:
+        for start in range(lo, hi, CHUNK):
+            stop = min(hi, start + CHUNK)
+            sped = _accelerate(velocity[start:stop], total[start:stop], momentum, False)
+            np.add(sped, residual[start:stop], out=total[start:stop])
+            _zero(residual[start:stop])
+
+    run_parts(residual.size, work)
+
+
+def _check_momentum(momentum: float) -> None:
+    if not 0 <= momentum < 1:  # also refuses NaN
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+
+
+def _accelerate(velocity: np.ndarray, update: np.ndarray, momentum: float,
+                clear: bool) -> np.ndarray:
+    """velocity = momentum·velocity + update (in the buffers' dtype); ``clear``: update = 0."""
+    np.multiply(velocity, velocity.dtype.type(momentum), out=velocity)
+    np.add(velocity, update, out=velocity)
+    if clear:
+        _zero(update)
+    return velocity
 
 
 def ordered_sum(parts: list[list[float]]) -> float:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commd.compression.exchange import GroupExchange
+from commd.compression.kernels import add_momentum
 from commd.compression.topk import topk_count
 from commd.job.measurements import CommSample
 from commd.job.schedule import Plan
@@ -24,6 +25,8 @@ class NodeCompression:
     def __init__(self, like: np.ndarray, exchange: GroupExchange) -> None:
         self.exchange = exchange
         self.residual = np.zeros_like(like)  # one float per element, zero at the start
+        # momentum correction's velocity u (None: off), kept through dense rounds too
+        self.velocity = np.zeros_like(like) if exchange.momentum else None
         self.pending = False  # a compressed group ran since the last all-dense iteration
         self.gains: list[float] = []  # per compressed group of this iteration
         # per compressed group of this iteration: (elements, selection s, update s, overhead s)
@@ -38,23 +41,34 @@ class NodeCompression:
         start, stop = plan.spans[index]
         k = topk_count(stop - start, plan.ratio)
         residual = self.residual[start:stop]
+        velocity = None if self.velocity is None else self.velocity[start:stop]
         itemsize = total.itemsize
         key = (iteration, index)
         if plan.exchanges[index] == "allreduce":
             leader = iteration % self.exchange.nodes
-            result = await self.exchange.allreduce(total, residual, k, leader, turn, issued)
+            result = await self.exchange.allreduce(total, residual, velocity, k, leader, turn,
+                                                   issued)
             sample = CommSample(key, k * itemsize, result.wire_s, ALLREDUCE)
         else:
-            result = await self.exchange.allgather(total, residual, k, turn, issued)
+            result = await self.exchange.allgather(total, residual, velocity, k, turn, issued)
             sample = CommSample(key, k * (itemsize + INDEX_BYTES), result.wire_s, ALLGATHER)
         cpu = result.cpu
         self.gains.append(result.gain)
         self.cpu.append((cpu.elements, cpu.select_s, cpu.update_s, cpu.overhead_s))
         return result.gain, sample
 
+    @property
+    def dense_work(self) -> bool:
+        """Whether a dense group of this job has to go through ``flush`` first."""
+        return self.pending or self.velocity is not None
+
     def flush(self, total: np.ndarray, start: int, stop: int) -> None:
-        """A dense group of a compressed job: what top-k held back is sent with it."""
+        """A dense group of a compressed job: what top-k held back is sent with it (and with
+        momentum correction, the velocity instead of the plain sum)."""
         residual = self.residual[start:stop]
+        if self.velocity is not None:
+            add_momentum(total, residual, self.velocity[start:stop], self.exchange.momentum)
+            return
         np.add(total, residual, out=total)
         residual[...] = 0
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from commd.compression.exchange import GroupExchange
+from commd.compression.topk import CompressionSpec
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES, Buffer, BufferOps, HostOps
 from commd.job.compressed import NodeCompression
@@ -68,7 +69,7 @@ class Pipeline:
         on_failure: Callable[[BaseException], None],
         node_index: int = 0,
         nodes: int = 1,
-        compressed: bool = False,
+        compression: CompressionSpec | None = None,
         ops: BufferOps | None = None,
         watchdog: tuple[float, float] = (10.0, 15.0),
         patient: Callable[[], bool] = lambda: False,
@@ -100,8 +101,11 @@ class Pipeline:
         self._records_clock = StepClock()  # iteration records, with the step time
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
-        exchange = GroupExchange(engine, executor, node_index, nodes, dtype, self._wire_clock)
-        self.compression = NodeCompression(self.buffers[0], exchange) if compressed else None
+        self.compression: NodeCompression | None = None
+        if compression is not None:
+            exchange = GroupExchange(engine, executor, node_index, nodes, dtype,
+                                     self._wire_clock, compression.momentum)
+            self.compression = NodeCompression(self.buffers[0], exchange)
 
     # --- from the control plane ------------------------------------------------------------------
 
@@ -234,7 +238,7 @@ class Pipeline:
         self.ops.acquire()
         if len(views) > 1:
             await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
-        if self.compression is not None and self.compression.pending:
+        if self.compression is not None and self.compression.dense_work:
             # A compressed job runs dense: what top-k held back goes too.
             await self._memory(self.compression.flush, views[0], *plan.spans[index])
         wire: asyncio.Future[Any] | None = None

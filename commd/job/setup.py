@@ -101,7 +101,7 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
         on_failure=lambda exc: job.fail(ErrorCode.ENGINE, f"collective failed: {exc}"),
         node_index=job.setup.node_index if job.setup else 0,
         nodes=job.setup.nodes if job.setup else 1,
-        compressed=parse_compression(reg.compression) is not None,
+        compression=parse_compression(reg.compression),
         ops=job.ops,
         watchdog=job.ctx.watchdog,
         patient=lambda: job.liveness.marks_pending,

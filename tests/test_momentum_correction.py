@@ -1,0 +1,149 @@
+"""Momentum correction (``topk:...:momentum=M``): the node keeps the velocity u = m·u + S and
+sparsifies R + u, in compressed and dense rounds alike; exact against a numpy model."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from compression_reference import exchange
+
+from commd.compression.exchange import GroupExchange
+from commd.compression.kernels import add_and_energy, add_momentum
+from commd.compression.topk import CompressionSpec, parse_compression
+from commd.compression.topk import topk_count as k_of
+from commd.job.compressed import NodeCompression
+from commd.job.measurements import WireClock
+
+from rank_worker import value
+from ranks import JobSpec, collect, start_ranks
+
+DTYPES = [np.float32, np.float64]
+
+
+@pytest.mark.parametrize(("text", "spec"), [
+    ("topk:auto:momentum=0.9", CompressionSpec(None, "auto", 0.9)),
+    ("topk:0.01:allgather:momentum=0.5", CompressionSpec(0.01, "allgather", 0.5)),
+    ("topk:0.1:momentum=0", CompressionSpec(0.1, "auto", 0.0)),
+])
+def test_parse_momentum(text: str, spec: CompressionSpec) -> None:
+    assert parse_compression(text) == spec
+    assert parse_compression(str(spec)) == spec  # what status shows parses back
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ("topk:auto:momentum=1", "momentum must be in [0, 1)"),
+    ("topk:auto:momentum=-0.1", "momentum must be in [0, 1)"),
+    ("topk:auto:momentum=1e400", "momentum must be finite"),
+    ("topk:auto:momentum=nan", "not understood"),
+    ("topk:auto:momentum=", "not understood"),
+    ("topk:auto:momentum=0.9:allgather", "not understood"),  # out of order
+    ("topk:auto:momentum=0.9:momentum=0.9", "not understood"),
+    ("topk:auto:momentum=0.9.9", "momentum '0.9.9' is not a number"),
+    ("topk:0.1:momentum=0." + "9" * 200, "not understood"),  # oversized
+])
+def test_parse_refuses_bad_momentum(bad: str, words: str) -> None:
+    with pytest.raises(ValueError, match="compression") as caught:
+        parse_compression(bad)
+    assert words in str(caught.value)
+    assert len(str(caught.value)) < 400  # an oversized spec is not echoed whole
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernels_equal_plain_numpy(dtype: type) -> None:
+    rng = np.random.default_rng(3)
+    momentum = 0.9
+    for size in (0, 1, 999, 300_000):  # the last spans several chunks
+        residual, update, velocity = (rng.standard_normal(size).astype(dtype)
+                                      for _ in range(3))
+        want_velocity = velocity * dtype(momentum) + update
+        want_residual = residual + want_velocity
+        energy = add_and_energy(residual, update, True, velocity, momentum)
+        np.testing.assert_array_equal(velocity, want_velocity)
+        np.testing.assert_array_equal(residual, want_residual)
+        assert not update.any()  # cleared for the write-back
+        assert energy == pytest.approx(float(np.sum(want_residual.astype(np.float64) ** 2)),
+                                       rel=1e-5)
+        total = rng.standard_normal(size).astype(dtype)
+        want_velocity = velocity * dtype(momentum) + total
+        want_total = want_velocity + residual
+        add_momentum(total, residual, velocity, momentum)
+        np.testing.assert_array_equal(velocity, want_velocity)
+        np.testing.assert_array_equal(total, want_total)
+        assert not residual.any()  # sent with the dense sum
+
+
+def test_hostile_kernel_arguments_raise_before_writing() -> None:
+    residual, update = np.ones(10, np.float32), np.ones(10, np.float32)
+    for momentum in (1.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="momentum must be in"):
+            add_and_energy(residual, update, True, np.ones(10, np.float32), momentum)
+        with pytest.raises(ValueError, match="momentum must be in"):
+            add_momentum(update, residual, np.ones(10, np.float32), momentum)
+    with pytest.raises(ValueError, match="velocity has 9 elements"):
+        add_and_energy(residual, update, True, np.ones(9, np.float32), 0.9)
+    with pytest.raises(TypeError, match="velocity is float64"):
+        add_momentum(update, residual, np.ones(10), 0.9)
+    with pytest.raises(ValueError, match="total has 3 elements"):
+        add_momentum(np.ones(3, np.float32), residual, np.ones(10, np.float32), 0.9)
+    np.testing.assert_array_equal(residual, np.ones(10, np.float32))
+    np.testing.assert_array_equal(update, np.ones(10, np.float32))
+
+
+def node_compression(momentum: float, size: int) -> NodeCompression:
+    with ThreadPoolExecutor(1) as unused:  # dense rounds' work runs on the caller's thread
+        exchange_ = GroupExchange(None, unused, 0, 1, "float32", WireClock(), momentum)
+    return NodeCompression(np.zeros(size, np.float32), exchange_)
+
+
+def test_dense_rounds_carry_the_velocity_and_the_residual() -> None:
+    """A momentum job that runs dense sends u = m·u + S plus R: momentum SGD's buffer."""
+    node = node_compression(0.5, 6)
+    assert node.dense_work  # even before any compressed round
+    node.residual[:] = [1, 0, 0, 0, 0, 2]
+    sums = [np.array([2, 2, 2, 2, 2, 2], np.float32), np.array([4, 0, 0, 0, 0, 0], np.float32)]
+    sent = []
+    for total in sums:
+        node.flush(total, 0, 6)
+        sent.append(total.copy())
+    np.testing.assert_array_equal(sent[0], [3, 2, 2, 2, 2, 4])  # u = S, plus R
+    np.testing.assert_array_equal(sent[1], [5, 1, 1, 1, 1, 1])  # u = 0.5·u + S
+    assert not node.residual.any()
+    plain = node_compression(0.0, 6)
+    assert plain.velocity is None and not plain.dense_work  # no momentum: nothing to do
+
+
+LAYERS = [("w0", 40), ("b0", 1), ("w1", 64), ("b1", 7)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["allreduce", "allgather"])
+def test_exact_against_numpy_through_two_daemons(start_daemon, method: str) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    ratio, momentum = 0.1, 0.9
+    spec = JobSpec(f"topk-momentum-{method}", nodes, 2, LAYERS, op="sum", iterations=4,
+                   planner="wfbp", compression=f"topk:{ratio}:{method}:momentum={momentum}")
+    results = collect(start_ranks(spec))
+    for result in results:
+        assert "error" not in result, result
+    residuals = {i: [np.zeros(n, np.float32) for _ in nodes] for i, (_, n) in enumerate(LAYERS)}
+    velocities = {i: [np.zeros(n, np.float32) for _ in nodes]
+                  for i, (_, n) in enumerate(LAYERS)}
+    without = {i: [np.zeros(n, np.float32) for _ in nodes] for i, (_, n) in enumerate(LAYERS)}
+    differs = False
+    for iteration in range(spec.iterations):
+        for index, (_, size) in enumerate(LAYERS):
+            sums = [sum(value(r, iteration, index, size).astype(np.float32)
+                        for r in (2 * node, 2 * node + 1)) for node in range(len(nodes))]
+            k = k_of(size, ratio)
+            want = exchange(sums, residuals[index], k, method, iteration, velocities[index],
+                            momentum)
+            plain = exchange(sums, without[index], k, method, iteration)
+            differs = differs or not np.array_equal(want, plain)
+            for result in results:
+                np.testing.assert_array_equal(
+                    np.array(result["iterations"][iteration][index], dtype=np.float32), want,
+                    err_msg=f"rank {result['rank']} iteration {iteration} layer {index}",
+                )
+    assert differs  # the velocity changed what was sent: the test can tell it is missing
