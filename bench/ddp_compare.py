@@ -150,7 +150,7 @@ def wrap_torch(model: Any, spec: dict[str, Any]) -> tuple[Any, Callable[[], None
 def batches(spec: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
     """The teacher task draws a fresh batch every step; the timing task reuses one."""
     if spec["task"] == "teacher":
-        stream = ddp_tasks.TeacherStream(spec["rank"], spec["batch"])
+        stream = ddp_tasks.TeacherStream(spec["rank"], spec["batch"], spec["seed"])
         while True:
             yield stream.next()
     yield from itertools.repeat(synthetic_batch(spec["model"], spec["rank"], spec["batch"]))
@@ -274,9 +274,9 @@ def model_and_batch(entry: str, args: argparse.Namespace) -> tuple[str, int]:
 
 
 def run_job(variant: Variant, entry: str, nodes: Sequence[Node], args: argparse.Namespace,
-            tag: str) -> dict[str, Any]:
+            tag: str, seed: int = 0) -> dict[str, Any]:
     """One job of len(nodes) ranks; returns rank 0's timings, the ranks' mean loss per step
-    and whether the ranks agree."""
+    and whether the ranks agree. ``seed``: the teacher task's data stream."""
     port = free_port() if nodes[0].host == "127.0.0.1" else 29000 + os.getpid() % 1000
     model, batch = model_and_batch(entry, args)
     name = f"{variant.impl}-{re.sub('[^a-z0-9.]', '', variant.compression)}"
@@ -288,6 +288,7 @@ def run_job(variant: Variant, entry: str, nodes: Sequence[Node], args: argparse.
             "model": model, "rank": rank, "world_size": len(nodes), "batch": batch,
             "warmup": args.warmup, "steps": args.steps, "threads": args.threads,
             "planner": args.planner, "timeout": args.timeout, "job": job, "lr": args.lr,
+            "seed": seed,
             "powersgd_rank": args.powersgd_rank, "powersgd_start": args.powersgd_start,
             "coordinator": nodes[0].address, "socket": node.socket,
             "master": f"{nodes[0].host}:{port}",
@@ -417,7 +418,7 @@ def run_variants(link: str, nodes: Sequence[Node], args: argparse.Namespace
             outcome = outcomes[variant]
             started = time.monotonic()
             try:
-                result = run_job(variant, entry, nodes, args, link)
+                result = run_job(variant, entry, nodes, args, link, seed=repeat)
             except (RuntimeError, FinishTimeout) as exc:
                 outcome.errors.append(str(exc))
                 workdir.keep = True  # the error names the daemons' logs
@@ -611,7 +612,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-limited", action="store_true", help="no tbf-limited links")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per variant, alternating; tables show medians (default 3; with "
-                        "--compression 1)")
+                        "--compression 1, and repeat i trains on data stream i: the losses "
+                        "are means over the repeats)")
     p.add_argument("--planner", default=None,
                    help="commd merge planner (default: the daemon's, optimal)")
     p.add_argument("--keep-logs", action="store_true",

@@ -84,6 +84,12 @@ async def test_register_errors_change_nothing(daemon: Daemon, connect: Any,
     reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}], "planner": "magic",
                               "buffer_token": small.token})
     assert reply["code"] == "invalid" and "optimal" in reply["message"]
+    for compression, words in (("topk:0.1:momentum=1", "momentum must be in [0, 1)"),
+                               ("topk:0.1:momentum=" + "9" * 10_000, "not understood")):
+        reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}],
+                                  "compression": compression, "buffer_token": small.token})
+        assert reply["code"] == "invalid" and words in reply["message"], reply
+        assert len(reply["message"]) < 1000  # the oversized value is not echoed whole
     reply = await client.ask({"type": "wait", "iteration": 0})
     assert reply["code"] == "out_of_order" and "wait before register" in reply["message"]
     # After all that, a correct register still works.

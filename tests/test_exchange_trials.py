@@ -217,3 +217,16 @@ def test_after_a_change_dense_is_measured_again_whatever_its_stale_prediction() 
         round_ += 1
     assert "dense" in kinds
     assert decision.exchanges == ["dense"]
+
+
+def test_two_nodes_measure_the_allgather_and_dense_only() -> None:
+    """With two nodes STAR is no candidate (never cheaper on the wire, half the information);
+    a forced STAR still runs."""
+    replanner = Replanner("syncea", SIZES, nodes=2, compression="topk:0.01")
+    ran = drive(replanner, {"dense": 0.040, "allgather": 0.050, "allreduce": 0.001}, 8)
+    assert "allreduce" not in ran and {"dense", "allgather"} <= set(ran), ran
+    decision = replanner.decide([report(9, replanner.version, 0.040)] * 2)
+    assert {name for name, _, _ in decision.candidates} == {"dense", "allgather@0.01"}
+    forced = Replanner("syncea", SIZES, nodes=2, compression="topk:0.01:allreduce")
+    assert drive(forced, {"dense": 0.001, "allgather": 0.001, "allreduce": 0.5}, 4) == \
+        ["allreduce"] * 4

@@ -62,8 +62,9 @@ class DistributedDataParallel(_TorchDDP):
     then commd's keywords: the Client's (``job``, ``rank``, ``world_size``, ``local_rank``,
     ``local_world_size``, ``coordinator``, ``socket``, ``timeout``; each defaults from the
     process group or torchrun's environment), ``planner`` (commd's merge planner) and
-    ``compression`` (``topk:RATIO[:EXCHANGE]`` or ``topk:auto``; default $COMMD_COMPRESSION,
-    else none; with compression every parameter counts as used).
+    ``compression`` (``topk:RATIO[:EXCHANGE]`` or ``topk:auto``, optionally ``:momentum=M``:
+    the daemon keeps the momentum, so build the optimizer without it; default
+    $COMMD_COMPRESSION, else none; with compression every parameter counts as used).
     """
 
     def __init__(  # torch's signature, then commd's keywords

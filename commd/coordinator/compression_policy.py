@@ -4,9 +4,9 @@
   is picked on the Pareto front of (time, 1/gain) — the time from the cost model (wire and
   CPU), corrected by what the explored ratios measured. It is solved again only when the
   exchanges are measured anew (a changed network), so noisy fits do not make it wander.
-* **Exchange**: with ``auto`` the candidates are dense, the allgather and the AR-compatible
-  exchange at the ratio; ``ExchangeTrials`` measures them and keeps the fastest. A forced
-  exchange is never changed and never measured against the others.
+* **Exchange**: with ``auto`` the candidates are dense, the allgather and (from three nodes)
+  the AR-compatible exchange at the ratio; ``ExchangeTrials`` measures them and keeps the
+  fastest. A forced exchange is never changed and never measured against the others.
 
 Pure: the ``Replanner`` feeds it the nodes' reports and plans with what it returns.
 """
@@ -103,7 +103,7 @@ class CompressionPolicy:
         self.ratio = ratio
         if self.spec.exchange != "auto":
             return Candidate(self.spec.exchange, ratio), why_ratio
-        compressed = [Candidate(exchange, ratio) for exchange in COMPRESSED]
+        compressed = [Candidate(exchange, ratio) for exchange in self._exchanges()]
         if self.spec.ratio is None and self._exploring() is not None:
             # Exploring: the gain model needs compressed rounds, at the model's exchange.
             predicted = {c: predict(c) for c in compressed}
@@ -136,7 +136,14 @@ class CompressionPolicy:
         return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF)"
 
     def _exchanges(self) -> tuple[str, ...]:
-        return COMPRESSED if self.spec.exchange == "auto" else (self.spec.exchange,)
+        """The compressed exchanges ``auto`` measures. With two nodes only the allgather: its
+        wire is never dearer (α + 2Mβ against STAR's 3α + 2Mβ), it sends both nodes' top-k
+        where STAR sends the leader's only, and STAR's one saving, the other node's selection,
+        runs in parallel with the leader's anyway. In our DDP runs STAR ended 15–20 % higher
+        in loss (docs/compression.md)."""
+        if self.spec.exchange != "auto":
+            return (self.spec.exchange,)
+        return ("allgather",) if self.nodes == 2 else COMPRESSED
 
     def model_s(self, candidate: Candidate, cost: LinearCost, elements: Sequence[int]) -> float:
         """The cost model's seconds per iteration of ``elements`` groups (no overlap)."""
