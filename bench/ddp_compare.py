@@ -514,9 +514,10 @@ def plot(path: str, links: dict[str, dict[Variant, Outcome]], args: argparse.Nam
     axes[0][0].legend(fontsize=8)
     fig.text(0.5, 0.01, f"deep_mlp on a random teacher, 2 nodes × 1 rank, batch "
              f"{args.batch_size or MODELS['deep_mlp'][1]} per rank; each step's loss on fresh "
-             f"data, mean of the 2 ranks, smoothed by a centred {SMOOTH}-step moving average; "
-             "dotted: end of the warm-up", ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+             f"data, mean of the 2 ranks and of {args.repeats} data stream(s),\nsmoothed by a "
+             f"centred {SMOOTH}-step moving average; dotted: end of the warm-up", ha="center",
+             fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"  loss curves: {path}")

@@ -67,11 +67,12 @@ def test_the_kernels_equal_plain_numpy(dtype: type) -> None:
                                        rel=1e-5)
         total = rng.standard_normal(size).astype(dtype)
         want_velocity = velocity * dtype(momentum) + total
-        want_total = want_velocity + residual
+        want_total = residual * dtype(1 - momentum) + want_velocity
+        want_residual = residual * dtype(momentum)
         add_momentum(total, residual, velocity, momentum)
         np.testing.assert_array_equal(velocity, want_velocity)
         np.testing.assert_array_equal(total, want_total)
-        assert not residual.any()  # sent with the dense sum
+        np.testing.assert_array_equal(residual, want_residual)  # the rest in later rounds
 
 
 def test_hostile_kernel_arguments_raise_before_writing() -> None:
@@ -97,19 +98,27 @@ def node_compression(momentum: float, size: int) -> NodeCompression:
     return NodeCompression(np.zeros(size, np.float32), exchange_)
 
 
-def test_dense_rounds_carry_the_velocity_and_the_residual() -> None:
-    """A momentum job that runs dense sends u = m·u + S plus R: momentum SGD's buffer."""
+def test_dense_rounds_carry_the_velocity_and_release_the_residual_gradually() -> None:
+    """A momentum job that runs dense sends u = m·u + S plus (1 − m) of what top-k held back,
+    keeping m of it: spread as momentum spreads a gradient, all of it in the end."""
     node = node_compression(0.5, 6)
     assert node.dense_work  # even before any compressed round
-    node.residual[:] = [1, 0, 0, 0, 0, 2]
+    node.residual[:] = [8, 0, 0, 0, 0, 16]
     sums = [np.array([2, 2, 2, 2, 2, 2], np.float32), np.array([4, 0, 0, 0, 0, 0], np.float32)]
     sent = []
     for total in sums:
         node.flush(total, 0, 6)
         sent.append(total.copy())
-    np.testing.assert_array_equal(sent[0], [3, 2, 2, 2, 2, 4])  # u = S, plus R
-    np.testing.assert_array_equal(sent[1], [5, 1, 1, 1, 1, 1])  # u = 0.5·u + S
-    assert not node.residual.any()
+    np.testing.assert_array_equal(sent[0], [6, 2, 2, 2, 2, 10])  # u = S, plus R/2
+    np.testing.assert_array_equal(sent[1], [7, 1, 1, 1, 1, 5])  # u = 0.5·u + S, plus R/2
+    np.testing.assert_array_equal(node.residual, [2, 0, 0, 0, 0, 4])
+    released = 0.0
+    for _ in range(60):  # with nothing new, everything held back goes out
+        total = np.zeros(6, np.float32)
+        velocity_before = node.velocity.copy()
+        node.flush(total, 0, 6)
+        released += float(total[0] - 0.5 * velocity_before[0])
+    assert released == pytest.approx(2.0, rel=1e-6) and node.residual[0] < 1e-15
     plain = node_compression(0.0, 6)
     assert plain.velocity is None and not plain.dense_work  # no momentum: nothing to do
 

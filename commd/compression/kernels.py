@@ -174,18 +174,26 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
 
 def add_momentum(total: np.ndarray, residual: np.ndarray, velocity: np.ndarray,
                  momentum: float) -> None:
-    """A dense group of a momentum-corrected job: velocity = momentum·velocity + total, then
-    total = velocity + residual and residual = 0 (what top-k held back goes with it)."""
+    """A dense group of a momentum-corrected job: velocity = m·velocity + total, then
+    total = velocity + (1 − m)·residual and residual = m·residual (m: ``momentum``).
+
+    What top-k held back (accumulated velocity) reaches the sum over the next dense rounds at
+    the rate momentum spreads a gradient, (1 − m)·m^j in round j, all of it in the end, rather
+    than as one lump: sent at once, a few rounds' held-back velocity is one outsized step
+    (the loss jumped at every switch from compressed to dense rounds in our DDP runs)."""
     check_update(residual, total, "total")
     check_update(residual, velocity, "velocity")
     _check_momentum(momentum)
+    keep, release = residual.dtype.type(momentum), residual.dtype.type(1 - momentum)
 
     def work(_part: int, lo: int, hi: int) -> None:
         for start in range(lo, hi, CHUNK):
             stop = min(hi, start + CHUNK)
-            sped = _accelerate(velocity[start:stop], total[start:stop], momentum, False)
-            np.add(sped, residual[start:stop], out=total[start:stop])
-            _zero(residual[start:stop])
+            chunk, held = total[start:stop], residual[start:stop]
+            sped = _accelerate(velocity[start:stop], chunk, momentum, False)
+            np.multiply(held, release, out=chunk)
+            np.add(chunk, sped, out=chunk)
+            np.multiply(held, keep, out=held)
 
     run_parts(residual.size, work)
 
