@@ -160,11 +160,10 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
         for start in range(lo, hi, CHUNK):
             chunk = residual[start:min(hi, start + CHUNK)]
             source = update[start:start + chunk.size]
-            if velocity is not None:
-                source = _accelerate(velocity[start:start + chunk.size], source, momentum,
-                                     clear)
-            np.add(chunk, source, out=chunk)
-            if clear and velocity is None:
+            added = source if velocity is None else _accelerate(
+                velocity[start:start + chunk.size], source, momentum)
+            np.add(chunk, added, out=chunk)
+            if clear:
                 _zero(source)
             sums.append(float(np.einsum("i,i->", chunk, chunk)))
         return sums
@@ -190,7 +189,7 @@ def add_momentum(total: np.ndarray, residual: np.ndarray, velocity: np.ndarray,
         for start in range(lo, hi, CHUNK):
             stop = min(hi, start + CHUNK)
             chunk, held = total[start:stop], residual[start:stop]
-            sped = _accelerate(velocity[start:stop], chunk, momentum, False)
+            sped = _accelerate(velocity[start:stop], chunk, momentum)
             np.multiply(held, release, out=chunk)
             np.add(chunk, sped, out=chunk)
             np.multiply(held, keep, out=held)
@@ -203,13 +202,10 @@ def _check_momentum(momentum: float) -> None:
         raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
 
 
-def _accelerate(velocity: np.ndarray, update: np.ndarray, momentum: float,
-                clear: bool) -> np.ndarray:
-    """velocity = momentum·velocity + update (in the buffers' dtype); ``clear``: update = 0."""
+def _accelerate(velocity: np.ndarray, update: np.ndarray, momentum: float) -> np.ndarray:
+    """velocity = momentum·velocity + update, in place (in the buffers' dtype)."""
     np.multiply(velocity, velocity.dtype.type(momentum), out=velocity)
     np.add(velocity, update, out=velocity)
-    if clear:
-        _zero(update)
     return velocity
 
 
