@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commd.compression.topk import parse_compression
 from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
 
 HERE = Path(__file__).resolve()
@@ -165,7 +166,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     model = ddp_tasks.deep_mlp() if teacher else build_model(spec["model"])
     wrapped, close = wrap(model, spec)
     if teacher:  # with momentum correction the daemon keeps the momentum, not the optimizer
-        corrected = spec["impl"] == "commd" and ":momentum=" in spec["compression"]
+        compression = parse_compression(spec["compression"]) if spec["impl"] == "commd" else None
+        corrected = compression is not None and compression.momentum > 0
         optimizer = ddp_tasks.optimizer(wrapped.parameters(), spec["lr"],
                                         0.0 if corrected else ddp_tasks.MOMENTUM)
     else:
@@ -190,9 +192,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     ran = final_exchange(spec) if spec["impl"] == "commd" and spec["rank"] == 0 else ""
     held_out = float("nan")
     if teacher:
+        inputs, labels = ddp_tasks.held_out()
         with torch.no_grad():
-            held_out = float(ddp_tasks.loss(model(ddp_tasks.held_out()[0]),
-                                            ddp_tasks.held_out()[1]))
+            held_out = float(ddp_tasks.loss(model(inputs), labels))
     close()
     measured = times[spec["warmup"]:]
     split = [1e3 * statistics.fmean(p[i] for p in phases[spec["warmup"]:]) for i in range(3)]
@@ -202,8 +204,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def final_exchange(spec: dict[str, Any]) -> str:
-    """What the job's compressed groups ran at the end, from the daemon's status: ``dense``,
-    or ``EXCHANGE@RATIO`` (the most groups' exchange); "" for a dense job or no status."""
+    """What the job's groups ran at the end, from the daemon's status: ``dense`` (also for a
+    job without compression), or ``EXCHANGE@RATIO`` (the most groups' exchange); "" when
+    the daemon gives no status."""
     from commd.cli.status import NoDaemon, query
 
     try:
