@@ -200,7 +200,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     split = [1e3 * statistics.fmean(p[i] for p in phases[spec["warmup"]:]) for i in range(3)]
     return {"mean_ms": 1e3 * statistics.fmean(measured), "phases_ms": split,
             "median_ms": 1e3 * statistics.median(measured), "checksum": checksum,
-            "losses": losses, "held_out": held_out, "ran": ran}
+            "losses": losses, "held_out": held_out, "ran": ran,
+            "step_ms": [round(1e3 * t, 2) for t in times]}
 
 
 def final_exchange(spec: dict[str, Any]) -> str:
@@ -384,6 +385,7 @@ class Outcome:
 
     means_ms: list[float] = field(default_factory=list)
     curves: list[list[float]] = field(default_factory=list)  # loss per step, per repeat
+    step_ms: list[list[float]] = field(default_factory=list)  # rank 0's steps, per repeat
     held_out: list[float] = field(default_factory=list)  # the final model's, per repeat
     ran: list[str] = field(default_factory=list)  # commd's exchange at the end, per repeat
     agree: bool = True
@@ -429,6 +431,7 @@ def run_variants(link: str, nodes: Sequence[Node], args: argparse.Namespace
                 continue
             outcome.means_ms.append(result["mean_ms"])
             outcome.curves.append(result["losses"])
+            outcome.step_ms.append(result["step_ms"])
             outcome.held_out.append(result["held_out"])
             outcome.ran.append(result["ran"])
             outcome.agree = outcome.agree and result["agree"]
@@ -529,11 +532,11 @@ def plot(path: str, links: dict[str, dict[Variant, Outcome]], args: argparse.Nam
 def save_json(path: str, links: dict[str, dict[Variant, Outcome]], command: str) -> None:
     data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "links": {
         link: {variant.label: {"means_ms": o.means_ms, "losses": o.curves, "held_out": o.held_out,
-                               "ran": o.ran, "agree": o.agree,
+                               "step_ms": o.step_ms, "ran": o.ran, "agree": o.agree,
                                "errors": o.errors} for variant, o in outcomes.items()}
         for link, outcomes in links.items()}}
     Path(path).write_text(json.dumps(data, indent=1))
-    print(f"  every step's loss and every repeat's time: {path}")
+    print(f"  every step's loss and time, every repeat: {path}")
 
 
 # --- links ----------------------------------------------------------------------------------------

@@ -144,12 +144,56 @@ def test_replanner_search_keeps_the_model_plan_when_it_is_fastest() -> None:
     assert counts[-1] == counts[0] > 1  # back to the model's plan
 
 
-def test_no_search_for_fixed_planners_one_node_or_compression() -> None:
+def test_no_search_for_fixed_planners_one_node_or_a_compressed_start() -> None:
     assert Replanner("syncea", [1 << 20] * 4, nodes=2).search.state == "off"
     assert Replanner("optimal", [1 << 20] * 4, nodes=1).search.state == "off"
     assert Replanner("optimal", [1 << 20] * 4, nodes=2,
                      compression="topk:0.01").search.state == "off"
     assert Replanner("optimal", [1 << 20] * 4, nodes=2).search.state == "measuring"
+
+
+def drive_compressed(replanner: Replanner, step_of, rounds: int) -> list[tuple[str, int, str]]:
+    """Like ``drive`` for a compressed job: ``step_of(exchange, groups)``; returns (exchange,
+    groups, search state) per round."""
+    sizes = len(replanner.sizes_bytes)
+    offsets = [0.002 * (sizes - 1 - i) for i in range(sizes)]
+    decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
+    ran = []
+    for number in range(1, rounds):
+        kind = decision.exchanges[0]
+        step = step_of(kind, len(decision.groups))
+        ran.append((kind, len(decision.groups), decision.search))
+        decision = replanner.decide(
+            [_report(number, 10 * number - 1, decision.version, step, offsets)] * 2)
+    return ran
+
+
+def test_a_compressed_job_that_chose_dense_searches_its_plan_like_a_dense_job() -> None:
+    """On loopback a compressed job measures dense fastest; its dense plan must then be as
+    fast as a job without compression would make it: the same measured search."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:0.01")
+
+    def step_of(kind: str, groups: int) -> float:
+        # Compressed slower; dense: fewer groups faster, and the search's middle plans are
+        # more than RETRIAL_CHANGE slower than the plan dense was chosen with.
+        return 0.2 if kind != "dense" else 0.040 + (0.050 if 1 < groups < 12 else 0.0) \
+            + 0.001 * groups
+
+    ran = drive_compressed(replanner, step_of, 16)
+    chosen = 1 + max(i for i, (kind, _, _) in enumerate(ran) if kind != "dense")
+    assert ran[chosen][2] == "off"  # the round that chose dense: no search yet
+    assert chosen < 4 and all(kind == "dense" for kind, _, _ in ran[chosen:]), ran
+    assert "measuring" in {state for _, _, state in ran}
+    assert replanner.search.state == "done" and ran[-1][1] == 1, ran
+    trials = replanner.policy.trials if replanner.policy else None
+    assert trials is not None and trials.reference_s == pytest.approx(step_of("dense", 1))
+
+
+def test_a_compressed_job_running_compressed_never_searches() -> None:
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:0.01")
+    ran = drive_compressed(replanner, lambda kind, g: 0.2 if kind == "dense" else 0.05, 10)
+    assert ran[-1][0] == "allgather"
+    assert {state for _, _, state in ran} == {"off"} and replanner.search.overhead_s == 0.0
 
 
 def test_drift_replans_switch_only_for_a_predicted_gain() -> None:

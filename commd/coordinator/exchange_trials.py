@@ -105,6 +105,13 @@ class ExchangeTrials:
         self.chosen, self.reference_s, self._drifted = best, known[best], 0
         return best, f"{best} measured fastest ({known[best] * 1e3:.1f} ms/step)"
 
+    def replanned(self, candidate: Candidate, step_s: float) -> None:
+        """The chosen ``candidate`` runs a new plan (the plan search's) that measured
+        ``step_s``: the watch compares with that from now on."""
+        if candidate == self.chosen and step_s > 0:
+            self.measured[candidate] = self.reference_s = step_s
+            self._drifted = 0
+
     def table(self) -> list[tuple[str, float, float]]:
         """(candidate, predicted s, measured s or -1) for status, cheapest prediction first."""
         ranked = sorted(self.predicted, key=lambda c: (self.predicted[c], c))

@@ -77,10 +77,10 @@ class Replanner:
         spec = parse_compression(self.compression)
         if spec is not None:
             self.policy = CompressionPolicy(spec, self.nodes, self.itemsize)
-        # Only plans that depend on a can be tuned by measuring; compressed jobs measure
-        # their exchanges instead, free of a second search.
-        self.search.enabled = (self.planner in SEARCHED_PLANNERS and self.nodes > 1
-                               and spec is None)
+        # Only plans that depend on a can be tuned by measuring. A compressed job searches
+        # once its trials have chosen dense (``_enable_search``): its compressed candidates
+        # are measured by the trials instead, free of a second search.
+        self.search.enabled = self._searchable() and spec is None
 
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
         """The plan for the round all ``reports`` (one per node) belong to."""
@@ -94,7 +94,12 @@ class Replanner:
             # A compressed job keeps the plan its candidate was measured with: drift shows in
             # the measured step, and the trials' watch acts on that.
             reason = ""
+        self._enable_search()
         search_reason = self._search(reports, cost, backward)
+        if search_reason and self.search.done and self.policy is not None:
+            best = self.search.best
+            assert best is not None
+            self.policy.trials.replanned(DENSE, best.step_s)
         reason = ", ".join(x for x in (reason, compression_reason, search_reason) if x)
         if reason:
             previous = (self.groups, self.exchanges, self.ratio)
@@ -130,6 +135,24 @@ class Replanner:
         return new.iteration_s < current.iteration_s * (1 - SWITCH_GAIN)
 
     # --- measuring plans ------------------------------------------------------------------------
+
+    def _searchable(self) -> bool:
+        return self.planner in SEARCHED_PLANNERS and self.nodes > 1
+
+    def _enable_search(self) -> None:
+        """A compressed job whose trials chose dense, and whose last round ran dense, is a
+        dense job: its plan is searched like one (on loopback a compressed job running
+        dense kept a 4–8-group plan that measured ~10 % slower than the one group the
+        search finds for a job without compression)."""
+        policy = self.policy
+        if policy is None or not self._searchable():
+            return
+        self.search.enabled = (policy.trials.chosen == DENSE and policy.running == DENSE
+                               and self._next == DENSE)
+
+    @property
+    def _searching(self) -> bool:
+        return self.search.enabled and not self.search.done
 
     def _search(self, reports: Sequence[PeerProfile], cost: LinearCost,
                 backward: list[float]) -> str:
@@ -210,7 +233,8 @@ class Replanner:
         if policy is None:
             return ""
         whole_round = all(r.plan == self.version for r in reports) and bool(self.groups)
-        retrial = policy.observe(reports, whole_round)
+        # The plan search's rounds move the step time on purpose: not a changed network.
+        retrial = policy.observe(reports, whole_round and not self._searching)
         groups = self.groups or [list(range(len(self.sizes_bytes)))]
 
         def predict(candidate: Candidate) -> float:
@@ -225,13 +249,20 @@ class Replanner:
         return ", ".join(x for x in (retrial, why if changed or retrial else "") if x)
 
     def _plan_candidate(self, candidate: Candidate, measured: LinearCost,
-                        backward: list[float]) -> tuple[list[list[int]], LinearCost]:
+                        backward: list[float], overhead_s: float | None = None
+                        ) -> tuple[list[list[int]], LinearCost]:
+        """A candidate's groups and the cost line that predicts them. Dense is planned with
+        the plan search's per-group overhead too (``overhead_s``, default the search's),
+        which its prediction leaves out: the search's overhead only shapes the plan."""
         assert self.policy is not None
         if candidate.exchange == "dense":
             # The daemon's own cost per group (wake-ups, completions) holds for dense groups
             # too; without it noisy fits split the plan into dozens of groups.
             line = LinearCost(measured.alpha_s + self.policy.cpu.per_group_s,
                               measured.beta_s_per_byte)
+            extra = self.search.overhead_s if overhead_s is None else overhead_s
+            planning = LinearCost(line.alpha_s + extra, line.beta_s_per_byte)
+            return plan_with(self.planner, self.sizes_bytes, backward, planning), line
         else:
             line = compressed_cost(candidate.exchange, self.nodes,
                                    link_cost(measured, self.nodes), candidate.ratio,
@@ -246,5 +277,5 @@ class Replanner:
         planning = LinearCost(measured.alpha_s + overhead, measured.beta_s_per_byte)
         if self.policy is None or self._next is None:
             return plan_with(self.planner, self.sizes_bytes, backward, planning), [], planning
-        groups, line = self._plan_candidate(self._next, measured, backward)
+        groups, line = self._plan_candidate(self._next, measured, backward, overhead_s)
         return groups, [self._next.exchange] * len(groups), line
