@@ -55,6 +55,19 @@ class HeldEngine:
                 future.set_result(None)
 
 
+class GatherEngine(HeldEngine):
+    """All-gathers as if the other node sent nothing (zeros at index 0), held like
+    all-reduces."""
+
+    def allgather(self, out: Any, buffer: Any, dtype: str) -> asyncio.Future[float | None]:
+        self.log.append(f"allgather {buffer.size}")
+        out[:buffer.size] = buffer
+        out[buffer.size:] = 0
+        future = self._future()
+        self.held.append(future)
+        return future
+
+
 @pytest.fixture
 def executor() -> Iterator[ThreadPoolExecutor]:
     pool = ThreadPoolExecutor(2)
@@ -62,7 +75,11 @@ def executor() -> Iterator[ThreadPoolExecutor]:
     pool.shutdown()
 
 
-def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str]
+FIXED = CompressionSpec(0.1, "auto")
+
+
+def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str],
+         spec: CompressionSpec = FIXED,
          ) -> tuple[Pipeline, list[np.ndarray], list[IterationRecord], list[BaseException]]:
     buffers = [np.zeros(sum(SIZES), np.float32)]
     records: list[IterationRecord] = []
@@ -71,7 +88,7 @@ def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str]
         sizes=SIZES, buffers=buffers, dtype="float32", op="sum", world_size=2, engine=engine,
         executor=executor, on_complete=lambda i, v: None, on_record=records.append,
         on_failure=failures.append, node_index=0, nodes=2,
-        compression=CompressionSpec(0.1, "auto"),
+        compression=spec,
     )
     pipeline.schedule(0, make_plan(1, [[2], [1], [0]], SIZES, exchanges, ratio=0.1))
     return pipeline, buffers, records, failures
@@ -137,4 +154,45 @@ async def test_a_compressed_job_that_runs_dense_sends_its_residual(
     np.testing.assert_allclose(buffers[0], expected, rtol=1e-5, atol=1e-6)
     assert not compression.residual.any() and not compression.pending
     assert failures == []
+    pipeline.stop()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allgather"])
+async def test_topk_auto_nodes_work_out_the_gains_of_smaller_ratios(
+        executor: ThreadPoolExecutor, kind: str) -> None:
+    """Running ratio 0.1, a `topk:auto` node reports the gains 0.01 and 0.001 would have had:
+    the energy of the largest 1 % and 0.1 % of E (among the 10 % it selected) over ‖E‖²."""
+    log: list[str] = []
+    engine = GatherEngine(log) if kind == "allgather" else HeldEngine(log)
+    pipeline, buffers, records, failures = make(executor, engine, [kind] * 3,
+                                                CompressionSpec(None, "auto"))
+    gradient = np.random.default_rng(2).standard_normal(buffers[0].size).astype(np.float32)
+    buffers[0][:] = gradient
+    pipeline.start()
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: engine.release() or bool(records))  # whatever is on the wire
+    assert failures == []
+    expected = {}
+    for ratio in (0.001, 0.01):
+        gains = []
+        for start, stop in make_plan(1, [[2], [1], [0]], SIZES, [kind] * 3, ratio=0.1).spans:
+            squares = np.sort(gradient[start:stop].astype(np.float64) ** 2)[::-1]
+            gains.append(squares[:max(1, int(ratio * (stop - start)))].sum() / squares.sum())
+        expected[ratio] = float(np.mean(gains))
+    lower = dict(records[0].lower_gains)
+    assert lower == pytest.approx(expected, rel=1e-5)
+    assert records[0].gain > lower[0.01] > lower[0.001] > 0
+    pipeline.stop()
+
+
+async def test_a_fixed_ratio_reports_no_lower_gains(executor: ThreadPoolExecutor) -> None:
+    engine = HeldEngine([])
+    pipeline, buffers, records, failures = make(executor, engine, ["allreduce"] * 3)
+    buffers[0][:] = 1.0
+    pipeline.start()
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: len(engine.held) == 3)
+    engine.release()
+    await until(lambda: records)
+    assert records[0].lower_gains == [] and failures == []
     pipeline.stop()

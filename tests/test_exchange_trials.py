@@ -169,6 +169,22 @@ def test_topk_auto_explores_then_measures_at_the_picked_ratio() -> None:
     assert selections[-1] == "measured" and decision.exchanges == ["allreduce"]
 
 
+def test_topk_auto_explores_one_round_when_the_nodes_report_the_smaller_ratios() -> None:
+    """Nodes running 0.1 also report the gains 0.01 and 0.001 would have had: the gain model
+    is fitted after one round, and no round runs at those ratios to explore."""
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:auto")
+    decision = replanner.decide([report(0, 0, 0.0)])
+    ratios = [decision.ratio]
+    for round_ in range(1, 6):
+        ratio = decision.ratio
+        gains = [[r, min(1.0, 4 * r**0.5)] for r in (0.001, 0.01, ratio) if r <= ratio]
+        step = 0.05 + ratio if decision.exchanges[0] != "dense" else 0.3
+        decision = replanner.decide([report(round_, decision.version, step, gains=gains)])
+        ratios.append(decision.ratio)
+    assert ratios[0] == 0.1 and 0.001 not in ratios and 0.01 not in ratios, ratios
+    assert ratios[1] == ratios[-1] and 0.001 < ratios[-1] < 0.1, ratios
+
+
 def test_topk_auto_keeps_the_best_gain_when_the_ratio_costs_no_time() -> None:
     """Where the measured step does not depend on the ratio (CPU-bound, loopback), the
     largest ratio sends the most for the same time: the front is that one point."""

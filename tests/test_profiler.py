@@ -170,3 +170,16 @@ def test_node_profiler_step_time_counts_only_the_last_plan() -> None:
     profiler.add(IterationRecord(iteration=0, ready_offsets_s=np.zeros(1), comm=[],
                                  exposed_comm_s=0.0, iteration_s=0.0, plan=3, period_s=0.3))
     assert profiler.summary().step_s == 0.0  # one iteration: no whole period under plan 3
+
+
+def test_lower_gains_join_the_round_gains_by_ratio() -> None:
+    """Gains a smaller ratio would have had (worked out from a larger ratio's selection)
+    reach the coordinator beside the measured ones, averaged per ratio."""
+    profiler = NodeProfiler(layers=1)
+    for gain, lower in ((0.8, [(0.001, 0.1), (0.01, 0.4)]), (0.6, [(0.01, 0.2)]), (0.7, [])):
+        profiler.add(IterationRecord(iteration=0, ready_offsets_s=np.zeros(1), comm=[],
+                                     exposed_comm_s=0.0, iteration_s=0.0, gain=gain,
+                                     ratio=0.1, lower_gains=lower))
+    gains = profiler.summary().gains
+    assert [row[0] for row in gains] == [0.001, 0.01, 0.1]
+    assert [row[1] for row in gains] == pytest.approx([0.1, 0.3, 0.7])

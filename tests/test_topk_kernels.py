@@ -17,6 +17,7 @@ from commd.compression.kernels import (
     add_and_energy,
     put,
     take_and_clear,
+    top_energies,
 )
 from commd.compression.topk import (
     TopkScratch,
@@ -372,3 +373,21 @@ def test_hostile_inputs_raise() -> None:
         add_and_energy(data, np.zeros(100))
     with pytest.raises(ValueError, match="out must be float32 of 2"):
         take_and_clear(data, np.array([1, 2], np.int32), out=np.zeros(3, np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, width=32), max_size=300),
+       st.lists(st.integers(0, 400), max_size=4))
+def test_top_energies_equal_a_full_sort(values: list[float], counts: list[int]) -> None:
+    array = np.array(values, np.float32)
+    descending = np.sort(np.square(array.astype(np.float64)))[::-1]
+    expected = [float(descending[:count].sum()) for count in counts]
+    assert top_energies(array, counts) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_top_energies_refuse_hostile_counts_and_buffers() -> None:
+    for bad in ([-1], [1.5], ["3"]):
+        with pytest.raises(ValueError, match="counts must be non-negative integers"):
+            top_energies(np.ones(4, np.float32), bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="values must be float32 or float64"):
+        top_energies(np.ones(4, np.int64), [1])

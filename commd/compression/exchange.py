@@ -23,14 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from commd.compression.kernels import accumulate_pairs, add_and_energy, put, take_and_clear
+from commd.compression.kernels import (
+    accumulate_pairs,
+    add_and_energy,
+    put,
+    take_and_clear,
+    top_energies,
+)
 from commd.compression.topk import TopkScratch, select_topk
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES
@@ -61,6 +67,9 @@ class ExchangeResult:
     gain: float  # ‖E at the sent indices‖² / ‖E‖² on this node
     wire_s: float  # the value collectives' time on the wire
     cpu: CpuTimes
+    # per count of ``lower`` (the caller's): the gain a top-k of that count would have had
+    # ([]: not asked, or this node did not select, e.g. a STAR node that is not the leader)
+    lower_gains: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -111,15 +120,19 @@ class GroupExchange:
 
     async def allreduce(self, target: np.ndarray, residual: np.ndarray,
                         velocity: np.ndarray | None, k: int, leader: int,
-                        turn: asyncio.Future[None], issued: asyncio.Future[None]
-                        ) -> ExchangeResult:
-        """STAR top-k; ``issued`` is set once both collectives are issued."""
+                        turn: asyncio.Future[None], issued: asyncio.Future[None],
+                        lower: Sequence[int] = ()) -> ExchangeResult:
+        """STAR top-k; ``issued`` is set once both collectives are issued; ``lower``: counts
+        below k whose gains the leader works out from its selection (``_lower_gains``)."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
         energy, cpu.update_s = await self._error(target, residual, velocity)
         indices = np.zeros(k, dtype=np.int32)
+        lower_gains: list[float] = []
+        lower_s = 0.0
         if self.node_index == leader:
             indices, cpu.select_s = await self._select(residual, k)
+            lower_gains, lower_s = await self._lower_gains(energy, lower, residual, indices)
         try:
             waited = await _waited(turn)
             wire_s = 0.0
@@ -139,20 +152,22 @@ class GroupExchange:
             _set(issued)
         _, took = await self._timed(put, target, indices, values)
         cpu.update_s += took
-        cpu.overhead_s = _rest(began_group, waited, wire_s, cpu)
-        return ExchangeResult(_gain(sent, energy), wire_s, cpu)
+        cpu.overhead_s = _rest(began_group, waited, wire_s, cpu, lower_s)
+        return ExchangeResult(_gain(sent, energy), wire_s, cpu, lower_gains)
 
     async def allgather(self, target: np.ndarray, residual: np.ndarray,
                         velocity: np.ndarray | None, k: int,
-                        turn: asyncio.Future[None], issued: asyncio.Future[None]
-                        ) -> ExchangeResult:
-        """Every node's own top-k pairs, summed; ``issued`` as for ``allreduce``."""
+                        turn: asyncio.Future[None], issued: asyncio.Future[None],
+                        lower: Sequence[int] = ()) -> ExchangeResult:
+        """Every node's own top-k pairs, summed; ``issued`` and ``lower`` as for
+        ``allreduce``."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
         energy, cpu.update_s = await self._error(target, residual, velocity)
         indices, cpu.select_s = await self._select(residual, k)
         (values, sent), took = await self._timed(take_and_clear, residual, indices)
         cpu.update_s += took
+        lower_gains, lower_s = await self._lower_gains(energy, lower, values)
         try:
             waited = await _waited(turn)
             wire_s = 0.0
@@ -170,8 +185,23 @@ class GroupExchange:
             _set(issued)
         _, took = await self._timed(accumulate_pairs, target, all_indices, all_values, True)
         cpu.update_s += took
-        cpu.overhead_s = _rest(began_group, waited, wire_s, cpu)
-        return ExchangeResult(_gain(sent, energy), wire_s, cpu)
+        cpu.overhead_s = _rest(began_group, waited, wire_s, cpu, lower_s)
+        return ExchangeResult(_gain(sent, energy), wire_s, cpu, lower_gains)
+
+    async def _lower_gains(self, energy: float, counts: Sequence[int], source: np.ndarray,
+                           indices: np.ndarray | None = None) -> tuple[list[float], float]:
+        """The gains of top-k with each of ``counts`` (< k) elements: the energy of the
+        largest of this node's top-k values of E (``source``, or ``source[indices]``) over
+        ‖E‖²; and the seconds it took, which the group's CPU accounting leaves out: this
+        is measuring, not the exchange's work."""
+        if not counts:
+            return [], 0.0
+
+        def tops(values: np.ndarray) -> list[float]:
+            return top_energies(values if indices is None else values[indices], list(counts))
+
+        found, took = await self._timed(tops, source)
+        return [_gain(top, energy) for top in found], took
 
 
 async def _waited(turn: asyncio.Future[None]) -> float:
@@ -183,9 +213,10 @@ async def _waited(turn: asyncio.Future[None]) -> float:
     return time.perf_counter() - began
 
 
-def _rest(began: float, waited: float, wire_s: float, cpu: CpuTimes) -> float:
+def _rest(began: float, waited: float, wire_s: float, cpu: CpuTimes,
+          measuring_s: float = 0.0) -> float:
     total = time.perf_counter() - began
-    return max(0.0, total - waited - wire_s - cpu.select_s - cpu.update_s)
+    return max(0.0, total - waited - wire_s - cpu.select_s - cpu.update_s - measuring_s)
 
 
 def _gain(sent: float, energy: float) -> float:

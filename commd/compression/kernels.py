@@ -35,6 +35,7 @@ __all__ = [
     "put",
     "run_parts",
     "take_and_clear",
+    "top_energies",
 ]
 
 CHUNK = 131_072  # elements: 512 KiB of float32, a chunk's temporaries stay in L2
@@ -249,6 +250,21 @@ def take_and_clear(error: np.ndarray, indices: np.ndarray,
         return sums
 
     return out, ordered_sum(run_parts(indices.size, work, INDEX_CHUNK))
+
+
+def top_energies(values: np.ndarray, counts: list[int]) -> list[float]:
+    """For each ``count``, the sum of squares of the ``count`` largest ``|values|`` (in
+    float64; a count beyond ``values.size`` takes them all). With the values top-k sent,
+    this is exactly the energy a smaller top-k of the same E would have sent: the gains of
+    smaller ratios without running them. One partition, no full sort."""
+    check_float_buffer("values", values)
+    if any(not isinstance(c, int) or c < 0 for c in counts):
+        raise ValueError(f"counts must be non-negative integers, got {counts!r}")
+    squares = np.square(values, dtype=np.float64)
+    cuts = sorted({squares.size - min(c, squares.size) for c in counts})
+    if squares.size:
+        squares.partition([c for c in cuts if c < squares.size] or [0])
+    return [float(squares[squares.size - min(c, squares.size):].sum()) for c in counts]
 
 
 def _zero(chunk: np.ndarray) -> None:

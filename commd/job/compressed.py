@@ -14,16 +14,24 @@ import numpy as np
 from commd.compression.exchange import GroupExchange
 from commd.compression.kernels import add_momentum
 from commd.compression.topk import topk_count
-from commd.job.measurements import CommSample
+from commd.job.measurements import CommSample, IterationGains
 from commd.job.schedule import Plan
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 
 INDEX_BYTES = 4  # int32 indices travel beside an allgather's values
+# Every this many iterations a `topk:auto` job's nodes also work out the gains of the
+# smaller explored ratios from what they selected (a partition of the k values sent).
+LOWER_GAINS_EVERY = 5
 
 
 class NodeCompression:
-    def __init__(self, like: np.ndarray, exchange: GroupExchange) -> None:
+    def __init__(self, like: np.ndarray, exchange: GroupExchange,
+                 lower_ratios: Sequence[float] = ()) -> None:
         self.exchange = exchange
+        # ratios whose gains are worked out from a larger ratio's selection (`topk:auto`:
+        # the coordinator then need not run them to fit its gain model)
+        self.lower_ratios = tuple(lower_ratios)
+        self.lower: dict[float, list[float]] = {}  # ratio -> gains, this iteration
         self.residual = np.zeros_like(like)  # one float per element, zero at the start
         # momentum correction's velocity u (None: off), kept through dense rounds too
         self.velocity = np.zeros_like(like) if exchange.momentum else None
@@ -44,14 +52,19 @@ class NodeCompression:
         velocity = None if self.velocity is None else self.velocity[start:stop]
         itemsize = total.itemsize
         key = (iteration, index)
+        lower = self._lower(stop - start, k) if iteration % LOWER_GAINS_EVERY == 0 else {}
+        counts = list(lower.values())
         if plan.exchanges[index] == "allreduce":
             leader = iteration % self.exchange.nodes
             result = await self.exchange.allreduce(total, residual, velocity, k, leader, turn,
-                                                   issued)
+                                                   issued, counts)
             sample = CommSample(key, k * itemsize, result.wire_s, ALLREDUCE)
         else:
-            result = await self.exchange.allgather(total, residual, velocity, k, turn, issued)
+            result = await self.exchange.allgather(total, residual, velocity, k, turn, issued,
+                                                   counts)
             sample = CommSample(key, k * (itemsize + INDEX_BYTES), result.wire_s, ALLGATHER)
+        for ratio, gain in zip(lower, result.lower_gains, strict=False):
+            self.lower.setdefault(ratio, []).append(gain)
         cpu = result.cpu
         self.gains.append(result.gain)
         self.cpu.append((cpu.elements, cpu.select_s, cpu.update_s, cpu.overhead_s))
@@ -72,11 +85,17 @@ class NodeCompression:
         np.add(total, residual, out=total)
         residual[...] = 0
 
-    def end_iteration(self, exchanges: Sequence[str]
-                      ) -> tuple[float, list[tuple[int, float, float, float]]]:
-        """The iteration's mean gain and CPU rows, and a fresh start for the next one."""
-        gain = float(np.mean(self.gains)) if self.gains else 1.0
-        cpu, self.gains, self.cpu = self.cpu, [], []
+    def _lower(self, elements: int, k: int) -> dict[float, int]:
+        """ratio -> top-k count, for the lower ratios whose count is below ``k``."""
+        counts = {ratio: topk_count(elements, ratio) for ratio in self.lower_ratios}
+        return {ratio: count for ratio, count in counts.items() if count < k}
+
+    def end_iteration(self, exchanges: Sequence[str]) -> IterationGains:
+        """The iteration's gains and CPU rows, and a fresh start for the next one."""
+        gains = IterationGains(
+            float(np.mean(self.gains)) if self.gains else 1.0, self.cpu,
+            [(ratio, float(np.mean(g))) for ratio, g in sorted(self.lower.items())])
+        self.gains, self.cpu, self.lower = [], [], {}
         if self.pending and all(e == "dense" for e in exchanges):
             self.pending = False  # a dense iteration sent every residual
-        return gain, cpu
+        return gains

@@ -76,8 +76,8 @@ class StepClock:
         self._last_finished = 0.0
 
     def record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
-               samples: list[CommSample], gain: float, finished: float,
-               cpu: Sequence[tuple[int, float, float, float]] = ()) -> IterationRecord:
+               samples: list[CommSample], gains: IterationGains,
+               finished: float) -> IterationRecord:
         """``ready_at``: when each layer became ready; ``finished``: when the iteration's last
         group was done."""
         start = float(ready_at.min())
@@ -86,15 +86,27 @@ class StepClock:
         return IterationRecord(
             plan=plan.version,
             period_s=period,
-            gain=gain,
+            gain=gains.gain,
             ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
             iteration=iteration,
             ready_offsets_s=ready_at - start,
             comm=samples,
             exposed_comm_s=max(0.0, finished - float(ready_at.max())),
             iteration_s=finished - start,
-            cpu=list(cpu),
+            cpu=list(gains.cpu),
+            lower_gains=list(gains.lower),
         )
+
+
+@dataclass(frozen=True)
+class IterationGains:
+    """What a compressed job's iteration reports besides its timings."""
+
+    gain: float = 1.0  # mean compression gain of its compressed groups (1: none)
+    # per compressed group: (dense elements, selection s, update s, overhead s)
+    cpu: list[tuple[int, float, float, float]] = field(default_factory=list)
+    # (ratio, mean gain) a smaller ratio would have had, from this iteration's selections
+    lower: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +123,7 @@ class IterationRecord:
     # per compressed group: (dense elements, selection s (0: not selected here), update s,
     # overhead s: the group's time that is neither CPU work, wire, nor waiting for its turn)
     cpu: list[tuple[int, float, float, float]] = field(default_factory=list)
+    lower_gains: list[tuple[float, float]] = field(default_factory=list)  # IterationGains'
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,8 @@ def _gains_by_ratio(records: Sequence[IterationRecord]) -> list[list[float]]:
     for record in records:
         if record.ratio < 1.0:
             by_ratio.setdefault(record.ratio, []).append(record.gain)
+        for ratio, gain in record.lower_gains:
+            by_ratio.setdefault(ratio, []).append(gain)
     return [[ratio, float(np.mean(gains))] for ratio, gains in sorted(by_ratio.items())]
 
 

@@ -25,12 +25,19 @@ from typing import Any
 import numpy as np
 
 from commd.compression.exchange import GroupExchange
+from commd.compression.planning import EXPLORE_RATIOS
 from commd.compression.topk import CompressionSpec
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES, Buffer, BufferOps, HostOps
 from commd.job.compressed import NodeCompression
 from commd.job.latency import LatencyWindow
-from commd.job.measurements import CommSample, IterationRecord, StepClock, WireClock
+from commd.job.measurements import (
+    CommSample,
+    IterationGains,
+    IterationRecord,
+    StepClock,
+    WireClock,
+)
 from commd.job.readiness import Readiness, ReadyError
 from commd.job.schedule import Plan, PlanSchedule, make_plan
 from commd.job.trace import TraceRecorder
@@ -105,7 +112,8 @@ class Pipeline:
         if compression is not None:
             exchange = GroupExchange(engine, executor, node_index, nodes, dtype,
                                      self._wire_clock, compression.momentum)
-            self.compression = NodeCompression(self.buffers[0], exchange)
+            lower = EXPLORE_RATIOS if compression.ratio is None else ()
+            self.compression = NodeCompression(self.buffers[0], exchange, lower)
 
     # --- from the control plane ------------------------------------------------------------------
 
@@ -189,8 +197,8 @@ class Pipeline:
             if self.trace is not None:
                 self.trace.finishing(self.iteration, index, finishing[-1])
         await _all_or_cancel(finishing)
-        gain, cpu = (self.compression.end_iteration(plan.exchanges)
-                     if self.compression is not None else (1.0, []))
+        gains = (self.compression.end_iteration(plan.exchanges)
+                 if self.compression is not None else IterationGains())
         done = self.iteration
         self.done_plan = plan.version
         self.iteration += 1
@@ -198,8 +206,8 @@ class Pipeline:
         if self.trace is not None:
             self.trace.iteration(done, plan, ready_at)
         if not self.ops.stream_ordered:
-            self._on_record(self._records_clock.record(plan, done, ready_at, samples, gain,
-                                                       time.monotonic(), cpu))
+            self._on_record(self._records_clock.record(plan, done, ready_at, samples, gains,
+                                                       time.monotonic()))
             self._on_complete(done, plan.version)
             return
         # Device: everything is issued. The clients' streams wait on the done event; the
@@ -209,12 +217,12 @@ class Pipeline:
         finished = self.ops.fence()
         previous = self._records
         self._records = asyncio.ensure_future(self._record_when_finished(
-            previous, [*wires, finished], plan, done, ready_at, samples, gain))
+            previous, [*wires, finished], plan, done, ready_at, samples, gains))
 
     async def _record_when_finished(self, previous: asyncio.Future[None] | None,
                                     pending: list[asyncio.Future[Any]], plan: Plan,
                                     iteration: int, ready_at: np.ndarray,
-                                    samples: list[CommSample], gain: float) -> None:
+                                    samples: list[CommSample], gains: IterationGains) -> None:
         try:
             if previous is not None:
                 with contextlib.suppress(Exception):  # its failure was reported already
@@ -226,7 +234,7 @@ class Pipeline:
         except BaseException as exc:
             self._on_failure(exc)
             return
-        self._on_record(self._records_clock.record(plan, iteration, ready_at, samples, gain,
+        self._on_record(self._records_clock.record(plan, iteration, ready_at, samples, gains,
                                                     finished))
 
     async def _launch(
