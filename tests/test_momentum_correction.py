@@ -73,6 +73,18 @@ def test_the_kernels_equal_plain_numpy(dtype: type) -> None:
         np.testing.assert_array_equal(velocity, want_velocity)
         np.testing.assert_array_equal(total, want_total)
         np.testing.assert_array_equal(residual, want_residual)  # the rest in later rounds
+        # The last round of the release sends the rest; then the residual is left out.
+        total = rng.standard_normal(size).astype(dtype)
+        want_velocity = velocity * dtype(momentum) + total
+        want_total = residual * dtype(1) + want_velocity
+        add_momentum(total, residual, velocity, momentum, release_all=True)
+        np.testing.assert_array_equal(total, want_total)
+        assert not residual.any()
+        total = rng.standard_normal(size).astype(dtype)
+        want_velocity = velocity * dtype(momentum) + total
+        add_momentum(total, None, velocity, momentum)
+        np.testing.assert_array_equal(velocity, want_velocity)
+        np.testing.assert_array_equal(total, want_velocity)
 
 
 def test_hostile_kernel_arguments_raise_before_writing() -> None:
@@ -88,6 +100,10 @@ def test_hostile_kernel_arguments_raise_before_writing() -> None:
         add_momentum(update, residual, np.ones(10), 0.9)
     with pytest.raises(ValueError, match="total has 3 elements"):
         add_momentum(np.ones(3, np.float32), residual, np.ones(10, np.float32), 0.9)
+    with pytest.raises(ValueError, match="total has 3 elements"):
+        add_momentum(np.ones(3, np.float32), None, np.ones(10, np.float32), 0.9)
+    with pytest.raises(TypeError, match="residual must be float32 or float64"):
+        add_momentum(update, None, np.ones(10, np.int32), 0.9)  # the velocity, here
     np.testing.assert_array_equal(residual, np.ones(10, np.float32))
     np.testing.assert_array_equal(update, np.ones(10, np.float32))
 
@@ -100,25 +116,35 @@ def node_compression(momentum: float, size: int) -> NodeCompression:
 
 def test_dense_rounds_carry_the_velocity_and_release_the_residual_gradually() -> None:
     """A momentum job that runs dense sends u = m·u + S plus (1 − m) of what top-k held back,
-    keeping m of it: spread as momentum spreads a gradient, all of it in the end."""
+    keeping m of it: spread as momentum spreads a gradient; after ``release_iterations``
+    dense iterations the rest goes at once and the residual is left out from then on."""
     node = node_compression(0.5, 6)
     assert node.dense_work  # even before any compressed round
+    assert node.release_iterations == 10  # 0.5^10 < 1e-3
     node.residual[:] = [8, 0, 0, 0, 0, 16]
+    node.pending, node.release_left = True, node.release_iterations  # as after top-k rounds
     sums = [np.array([2, 2, 2, 2, 2, 2], np.float32), np.array([4, 0, 0, 0, 0, 0], np.float32)]
     sent = []
     for total in sums:
         node.flush(total, 0, 6)
+        node.end_iteration(["dense"])
         sent.append(total.copy())
     np.testing.assert_array_equal(sent[0], [6, 2, 2, 2, 2, 10])  # u = S, plus R/2
     np.testing.assert_array_equal(sent[1], [7, 1, 1, 1, 1, 5])  # u = 0.5·u + S, plus R/2
     np.testing.assert_array_equal(node.residual, [2, 0, 0, 0, 0, 4])
     released = 0.0
-    for _ in range(60):  # with nothing new, everything held back goes out
+    for _ in range(node.release_iterations - 2):  # with nothing new, the rest goes out
+        assert node.pending
         total = np.zeros(6, np.float32)
         velocity_before = node.velocity.copy()
         node.flush(total, 0, 6)
+        node.end_iteration(["dense"])
         released += float(total[0] - 0.5 * velocity_before[0])
-    assert released == pytest.approx(2.0, rel=1e-6) and node.residual[0] < 1e-15
+    assert released == 2.0 and not node.residual.any() and not node.pending
+    node.residual[:] = np.nan  # never read again until top-k runs: only the velocity goes
+    total = np.ones(6, np.float32)
+    node.flush(total, 0, 6)
+    assert np.isfinite(total).all() and total[0] == 0.5 * velocity_before[0] * 0.5 + 1
     plain = node_compression(0.0, 6)
     assert plain.velocity is None and not plain.dense_work  # no momentum: nothing to do
 

@@ -172,30 +172,45 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
     return ordered_sum(run_parts(residual.size, work))
 
 
-def add_momentum(total: np.ndarray, residual: np.ndarray, velocity: np.ndarray,
-                 momentum: float) -> None:
+def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.ndarray,
+                 momentum: float, release_all: bool = False) -> None:
     """A dense group of a momentum-corrected job: velocity = m·velocity + total, then
     total = velocity + (1 − m)·residual and residual = m·residual (m: ``momentum``).
 
     What top-k held back (accumulated velocity) reaches the sum over the next dense rounds at
-    the rate momentum spreads a gradient, (1 − m)·m^j in round j, all of it in the end, rather
-    than as one lump: sent at once, a few rounds' held-back velocity is one outsized step
-    (the loss jumped at every switch from compressed to dense rounds in our DDP runs)."""
-    check_update(residual, total, "total")
-    check_update(residual, velocity, "velocity")
+    the rate momentum spreads a gradient, (1 − m)·m^j in round j, rather than as one lump:
+    sent at once, a few rounds' held-back velocity is one outsized step (the loss jumped at
+    every switch from compressed to dense rounds in our DDP runs). ``release_all``: the last
+    such round, total = velocity + residual and residual = 0 (the caller's rule, before m^j
+    reaches the subnormal floats, whose arithmetic is many times slower). ``residual`` None:
+    it is known to be zero, total = velocity."""
+    if residual is None:
+        check_update(velocity, total, "total")  # names velocity "residual": no residual here
+    else:
+        check_update(residual, total, "total")
+        check_update(residual, velocity, "velocity")
     _check_momentum(momentum)
-    keep, release = residual.dtype.type(momentum), residual.dtype.type(1 - momentum)
+    dtype = velocity.dtype.type
+    keep, release = (dtype(0), dtype(1)) if release_all else (dtype(momentum),
+                                                               dtype(1 - momentum))
 
     def work(_part: int, lo: int, hi: int) -> None:
         for start in range(lo, hi, CHUNK):
             stop = min(hi, start + CHUNK)
-            chunk, held = total[start:stop], residual[start:stop]
+            chunk = total[start:stop]
             sped = _accelerate(velocity[start:stop], chunk, momentum)
+            if residual is None:
+                np.copyto(chunk, sped)
+                continue
+            held = residual[start:stop]
             np.multiply(held, release, out=chunk)
             np.add(chunk, sped, out=chunk)
-            np.multiply(held, keep, out=held)
+            if release_all:
+                _zero(held)
+            else:
+                np.multiply(held, keep, out=held)
 
-    run_parts(residual.size, work)
+    run_parts(velocity.size, work)
 
 
 def _check_momentum(momentum: float) -> None:

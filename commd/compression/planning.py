@@ -22,7 +22,10 @@ from commd.compression.topk import RATIO_RANGE
 from commd.plan import LinearCost
 
 ASF_WEIGHTS = (0.6, 0.4)  # time, 1/gain — the paper's weights
-EXPLORE_RATIOS = (0.1, 0.01, 0.001)  # tried in turn before the gain model is fitted
+EXPLORE_RATIOS = (0.1, 0.01, 0.001)  # their gains fit the gain model, before the first pick
+# run for a round each while exploring: their measured steps give the time against the ratio
+# (the nodes work out the gains of smaller ratios from a larger one's selections)
+TIMED_RATIOS = (0.1, 0.01)
 
 
 @dataclass(frozen=True)

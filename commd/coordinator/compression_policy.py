@@ -1,8 +1,10 @@
 """A compressed job's choices, round by round: the top-k ratio and what to exchange.
 
-* **Ratio** (``topk:auto``): the first rounds explore 0.1, 0.01 and 0.001; then the ratio
-  is picked on the Pareto front of (time, 1/gain) — the time from the cost model (wire and
-  CPU), corrected by what the explored ratios measured. It is solved again only when the
+* **Ratio** (``topk:auto``): the first rounds run 0.1 and 0.01, measuring their steps; the
+  nodes report the gains of those and of 0.001 (worked out from the larger ratios'
+  selections, so 0.001 need not run). Then the ratio is picked on the Pareto front of
+  (time, 1/gain) — the time from the cost model (wire and CPU), corrected by what the
+  explored ratios measured. It is solved again only when the
   exchanges are measured anew (a changed network), so noisy fits do not make it wander.
 * **Exchange**: with ``auto`` the candidates are dense, the allgather and (from three nodes)
   the AR-compatible exchange at the ratio; ``ExchangeTrials`` measures them and keeps the
@@ -22,6 +24,7 @@ import numpy as np
 from commd.compression.planning import (
     DEFAULT_CPU,
     EXPLORE_RATIOS,
+    TIMED_RATIOS,
     CpuCost,
     compressed_cost,
     fit_gain,
@@ -36,6 +39,7 @@ from commd_protocol import PeerProfile
 GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
 CPU_SMOOTHING = 0.5  # weight of the newest round in the CPU cost
 COMPRESSED = ("allgather", "allreduce")
+EXPLORE_TRIES = 2  # rounds an exploration ratio runs at most waiting for a whole round
 
 Predict = Callable[[Candidate], float]  # seconds per iteration the model expects
 
@@ -52,6 +56,11 @@ class CompressionPolicy:
     trials: ExchangeTrials = field(default_factory=ExchangeTrials)
     running: Candidate | None = None  # what the plan in force runs
     _ratio_epoch: int = -1  # the trials' epoch the ratio was last solved in
+    # ratios with a gain observed / a whole compressed round measured, ever (the gains
+    # themselves are a sliding window: exploration must not start again when they slide)
+    _gained: set[float] = field(default_factory=set)
+    _timed: set[float] = field(default_factory=set)
+    _tries: dict[float, int] = field(default_factory=dict)  # rounds run per ratio
 
     @property
     def state(self) -> str:
@@ -68,13 +77,19 @@ class CompressionPolicy:
         for report in reports:
             self.gains.extend((r, g) for r, g in report.gains)
         self.gains = self.gains[-GAIN_MEMORY:]
+        self._gained.update(r for report in reports for r, _ in report.gains)
         self._observe_cpu([r.cpu_s_per_element for r in reports if r.cpu_s_per_element])
-        if not whole_round or self.running is None:
+        running = self.running
+        if running is not None and running.exchange != "dense":
+            self._tries[running.ratio] = tries = self._tries.get(running.ratio, 0) + 1
+            if whole_round or tries >= EXPLORE_TRIES:  # a round that moves on is no hang
+                self._timed.add(running.ratio)
+        if not whole_round or running is None:
             return ""
         steps = [r.step_s for r in reports]
         if min(steps) <= 0:
             return ""
-        return self.trials.observe(self.running, float(np.mean(steps)))
+        return self.trials.observe(running, float(np.mean(steps)))
 
     def _observe_cpu(self, rows: list[list[float]]) -> None:
         """The slowest node's CPU costs gate the iteration. The overhead per group is the
@@ -116,8 +131,12 @@ class CompressionPolicy:
     # --- the ratio ---------------------------------------------------------------------------
 
     def _exploring(self) -> float | None:
-        tried = {r for r, _ in self.gains}
-        return next((r for r in EXPLORE_RATIOS if r not in tried), None)
+        """The ratio the next exploration round runs (None: exploration is over): each of
+        TIMED_RATIOS until a whole round of it is measured, then any explored ratio whose
+        gain no node has reported (they usually come from larger ratios' rounds)."""
+        return next((r for r in EXPLORE_RATIOS
+                     if r not in self._gained or (r in TIMED_RATIOS and r not in self._timed)),
+                    None)
 
     def _choose_ratio(self, cost: LinearCost, elements: Sequence[int]) -> tuple[float, str]:
         if self.spec.ratio is not None:

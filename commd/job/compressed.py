@@ -7,6 +7,7 @@ The pipeline owns when a group runs; this owns what a compressed group does to t
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,7 +36,11 @@ class NodeCompression:
         self.residual = np.zeros_like(like)  # one float per element, zero at the start
         # momentum correction's velocity u (None: off), kept through dense rounds too
         self.velocity = np.zeros_like(like) if exchange.momentum else None
-        self.pending = False  # a compressed group ran since the last all-dense iteration
+        # a compressed group ran and what it held back is not all sent yet (dense rounds
+        # send it: at once, or with momentum correction over ``release_iterations``)
+        self.pending = False
+        self.release_iterations = _release_iterations(exchange.momentum)
+        self.release_left = 0  # momentum correction: dense iterations left in the release
         self.gains: list[float] = []  # per compressed group of this iteration
         # per compressed group of this iteration: (elements, selection s, update s, overhead s)
         self.cpu: list[tuple[int, float, float, float]] = []
@@ -46,6 +51,7 @@ class NodeCompression:
         """Group ``index``'s node sum ``total`` exchanged and written back into it; returns
         its gain and the sample of its value collective(s)."""
         self.pending = True
+        self.release_left = self.release_iterations
         start, stop = plan.spans[index]
         k = topk_count(stop - start, plan.ratio)
         residual = self.residual[start:stop]
@@ -80,7 +86,9 @@ class NodeCompression:
         momentum correction, the velocity instead of the plain sum)."""
         residual = self.residual[start:stop]
         if self.velocity is not None:
-            add_momentum(total, residual, self.velocity[start:stop], self.exchange.momentum)
+            add_momentum(total, residual if self.pending else None,
+                         self.velocity[start:stop], self.exchange.momentum,
+                         release_all=self.release_left <= 1)
             return
         np.add(total, residual, out=total)
         residual[...] = 0
@@ -97,5 +105,15 @@ class NodeCompression:
             [(ratio, float(np.mean(g))) for ratio, g in sorted(self.lower.items())])
         self.gains, self.cpu, self.lower = [], [], {}
         if self.pending and all(e == "dense" for e in exchanges):
-            self.pending = False  # a dense iteration sent every residual
+            # A dense iteration sent every residual, or one more step of the release.
+            self.release_left -= 1
+            self.pending = self.velocity is not None and self.release_left > 0
         return gains
+
+
+def _release_iterations(momentum: float, remainder: float = 1e-3) -> int:
+    """Dense iterations over which momentum correction releases what top-k held back: m^j
+    of it is still held after j, and the last sends the rest (``remainder`` or less)."""
+    if momentum <= 0:
+        return 1
+    return max(1, math.ceil(math.log(remainder) / math.log(momentum)))
