@@ -645,8 +645,8 @@ def compression_options(p: argparse.ArgumentParser) -> None:
                    help="with --compression: write the loss curves, one subplot per link, "
                         "as a PNG")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="with --compression: write every step's loss and every repeat's "
-                        "step time as JSON")
+                   help="with --compression: write every step's loss and rank 0's time "
+                        "of every step, per repeat, as JSON")
 
 
 def resolve(args: argparse.Namespace) -> None:

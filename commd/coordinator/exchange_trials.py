@@ -16,7 +16,8 @@ round and its measured step time decides:
 4. While the choice runs, its step time is watched: ``RETRIAL_ROUNDS`` rounds in a row more
    than ``RETRIAL_CHANGE`` away from its reference (what it measured when chosen, refined by
    the rounds since) — the network or the load changed — and every candidate is measured
-   again.
+   again. So they are, once per epoch, when it runs ``BEHIND`` slower than the runner-up's
+   trial that many rounds in a row: its own trial was a lucky round.
 
 Pure: no I/O, no clock; the ``Replanner`` feeds it rounds and runs what it returns.
 """
@@ -30,6 +31,9 @@ HYSTERESIS = 0.05  # the chosen candidate stays while within 5 % of the measured
 RETRIAL_CHANGE = 0.50  # its step time moved this much …
 RETRIAL_ROUNDS = 3  # … this many rounds in a row: measure every candidate again
 REFERENCE_WEIGHT = 0.3  # rounds within the band refine the reference step (a running mean)
+# The chosen candidate runs this much slower than the runner-up's trial, RETRIAL_ROUNDS
+# rounds in a row: its own trial was a lucky round. Measured again, once per epoch.
+BEHIND = 0.20
 
 
 @dataclass(frozen=True, order=True)
@@ -52,6 +56,8 @@ class ExchangeTrials:
     reference_s: float = 0.0  # the chosen candidate's step time when it was chosen
     epoch: int = 0  # how many times every candidate was measured anew
     _drifted: int = 0  # rounds in a row the chosen candidate's step time was off
+    _behind: int = 0  # rounds in a row it ran BEHIND slower than the runner-up's trial
+    _rechecked: bool = False  # this epoch already measured again for being behind
     _previous: Candidate | None = None  # the choice before this epoch's measurements
 
     @property
@@ -66,6 +72,9 @@ class ExchangeTrials:
         if self.chosen is None or ran != self.chosen:
             self.measured[ran] = step_s
             return ""
+        behind = self._behind_runner_up(ran, step_s)
+        if behind:
+            return self._measure_again(ran, step_s, behind, recheck=True)
         off = abs(step_s - self.reference_s) / self.reference_s
         if off <= RETRIAL_CHANGE:
             # One trial round is a small sample: later rounds in the band refine it.
@@ -75,12 +84,33 @@ class ExchangeTrials:
         self._drifted += 1
         if self._drifted < RETRIAL_ROUNDS:
             return ""
-        why = (f"{ran} step {self.reference_s * 1e3:.1f}→{step_s * 1e3:.1f} ms: "
-               "measuring the exchanges again")
+        return self._measure_again(ran, step_s, f"{ran} step {self.reference_s * 1e3:.1f}→"
+                                   f"{step_s * 1e3:.1f} ms")
+
+    def _behind_runner_up(self, ran: Candidate, step_s: float) -> str:
+        """Why the chosen candidate looks chosen on a lucky trial ("" if it does not)."""
+        others = {c: s for c, s in self.measured.items() if c != ran}
+        if self._rechecked or not others:
+            return ""
+        runner_up = min(others, key=lambda c: (others[c], c))
+        if step_s <= others[runner_up] * (1 + BEHIND):
+            self._behind = 0
+            return ""
+        self._behind += 1
+        if self._behind < RETRIAL_ROUNDS:
+            return ""
+        return (f"{ran} runs {step_s * 1e3:.1f} ms/step, {runner_up} measured "
+                f"{others[runner_up] * 1e3:.1f}")
+
+    def _measure_again(self, ran: Candidate, step_s: float, why: str,
+                       recheck: bool = False) -> str:
+        """Every candidate is measured again (``ran`` keeps this round's step)."""
         self.measured = {ran: step_s}
-        self._previous, self.chosen, self._drifted = self.chosen, None, 0
+        self._previous, self.chosen = self.chosen, None
+        self._drifted = self._behind = 0
+        self._rechecked = recheck  # a drift starts a fresh epoch: the check may run again
         self.epoch += 1
-        return why
+        return f"{why}: measuring the exchanges again"
 
     def next(self, predicted: Mapping[Candidate, float],
              must_measure: Set[Candidate] = frozenset()) -> tuple[Candidate, str]:
