@@ -97,14 +97,14 @@ def test_a_choice_made_on_a_lucky_trial_is_measured_again_once() -> None:
     predicted = {DENSE: 0.045, AG: 0.04}  # both below AG's measured step: both are run
     run_trials(trials, predicted, {DENSE: 0.055, AG: 0.050}, rounds=3)
     assert trials.chosen == AG
-    assert 0.070 < 0.050 * (1 + RETRIAL_CHANGE) and 0.070 > 0.055 * (1 + BEHIND)
+    assert 0.055 * (1 + BEHIND) < 0.070 < 0.050 * (1 + RETRIAL_CHANGE)
     whys = [trials.observe(AG, 0.070) for _ in range(RETRIAL_ROUNDS)]
     assert whys[:-1] == [""] * (RETRIAL_ROUNDS - 1) and "dense measured 55.0" in whys[-1]
     assert trials.chosen is None and trials.measured == {AG: 0.070}
     run_trials(trials, predicted, {DENSE: 0.058, AG: 0.070}, rounds=2)
     assert trials.chosen == DENSE and trials.epoch == 1
     # Dense now runs 85 ms: 21 % behind AG's 70 ms, but this epoch was measured again already.
-    assert 0.085 > 0.070 * (1 + BEHIND) and 0.085 < 0.058 * (1 + RETRIAL_CHANGE)
+    assert 0.070 * (1 + BEHIND) < 0.085 < 0.058 * (1 + RETRIAL_CHANGE)
     assert all(trials.observe(DENSE, 0.085) == "" for _ in range(3 * RETRIAL_ROUNDS))
     assert trials.chosen == DENSE and trials.epoch == 1
 
