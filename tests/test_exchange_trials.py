@@ -283,3 +283,15 @@ def test_exploration_moves_on_even_when_no_round_is_whole() -> None:
         ratios.append(decision.ratio)
     assert ratios[:5] == [0.1, 0.1, 0.01, 0.01, 0.001], ratios  # 0.001: its gain only
     assert ratios[-1] not in (0.1, 0.01, 0.001), ratios
+
+
+def test_a_job_running_dense_on_one_group_still_watches_its_step() -> None:
+    """With the plan search on (planner optimal) and a one-group dense plan, the search
+    waits for the model to propose more groups — maybe forever; the watch must not wait
+    with it: the network slows 40×, and the exchanges are measured again."""
+    replanner = Replanner("optimal", SIZES, nodes=2, compression="topk:0.01")
+    ran = drive(replanner, {"dense": 0.030, "allgather": 0.050}, 6)
+    assert ran[-2:] == ["dense", "dense"] and replanner.search.state == "measuring"
+    reasons = [replanner.decide([report(7 + i, replanner.version, 1.2)] * 2).reason
+               for i in range(RETRIAL_ROUNDS)]
+    assert "measuring the exchanges again" in reasons[-1], reasons

@@ -58,6 +58,12 @@ class PlanSearch:
         return min(near, key=lambda t: (t.groups, t.step_s))
 
     @property
+    def trying(self) -> bool:
+        """Whether plans are being tried: the rounds run plans other than the model's (not
+        while waiting for the model to propose more than one group, which can be forever)."""
+        return self.enabled and not self.done and self.overhead_s > 0
+
+    @property
     def state(self) -> str:
         if not self.enabled:
             return "off"

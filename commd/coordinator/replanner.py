@@ -150,10 +150,6 @@ class Replanner:
         self.search.enabled = (policy.trials.chosen == DENSE and policy.running == DENSE
                                and self._next == DENSE)
 
-    @property
-    def _searching(self) -> bool:
-        return self.search.enabled and not self.search.done
-
     def _search(self, reports: Sequence[PeerProfile], cost: LinearCost,
                 backward: list[float]) -> str:
         """Feed the plan search the round's step time, if the whole round ran our plan."""
@@ -234,7 +230,7 @@ class Replanner:
             return ""
         whole_round = all(r.plan == self.version for r in reports) and bool(self.groups)
         # The plan search's rounds move the step time on purpose: not a changed network.
-        retrial = policy.observe(reports, whole_round and not self._searching)
+        retrial = policy.observe(reports, whole_round and not self.search.trying)
         groups = self.groups or [list(range(len(self.sizes_bytes)))]
 
         def predict(candidate: Candidate) -> float:
