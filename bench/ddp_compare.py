@@ -600,8 +600,8 @@ def parser() -> argparse.ArgumentParser:
                    help="measured steps, after the warm-up (default 50)")
     p.add_argument("--warmup", type=int, default=100,
                    help="unmeasured first steps (default 100: commd's plan search, and "
-                        "topk:auto's exploration, take the first 60-80 steps); the loss is "
-                        "recorded from step 0")
+                        "topk:auto's exploration and trials, take the first 50-80 steps); the "
+                        "loss is recorded from step 0")
     p.add_argument("--rates", "--rate", dest="rates", default=None,
                    help="comma-separated tbf rates of the limited links, one test bed each "
                         "(default 1gbit; with --compression 1gbit,100mbit)")
