@@ -128,6 +128,7 @@ async def test_a_bad_join_is_refused_to_its_sender_and_nothing_else_changes(
     {"ready_offsets_s": [0.0, 0.1, 0.2]},
     {"gains": [[0.5]]},
     {"gains": [[2.0, 1.0]]},
+    {"gains": [[0.1, 0.5]] * 10_000},  # a flood of rows
     {"step_s": -1.0},
     {"cpu_s_per_element": [1e-9, 1e-9]},
     {"cpu_s_per_element": [float("nan"), 1e-9, 0.0]},

@@ -83,3 +83,13 @@ def test_the_status_table_says_which_candidate_was_measured_and_which_predicted(
     assert any(line.endswith("exchange measured") for line in lines), lines
     assert ("j: candidates (ms per iteration): allreduce@0.01 predicted 9.8 measured 74.6, "
             "dense predicted 1200.0") in lines
+
+
+@pytest.mark.parametrize("gains, named", [
+    ([[0.1, 0.4], [0.01, 0.1], [0.001, 0.02]], ""),  # the ratio run and two worked out
+    ([[0.1 / (i + 1), 0.5] for i in range(33)], "gains has 33 rows, at most 32"),
+    ([[0.0, 0.5]], "gains row"), ([[0.1, math.nan]], "gains row"), ([[0.1]], "gains row"),
+])
+def test_gains_in_a_report(gains: list[list[float]], named: str) -> None:
+    problem = profile_problem(PeerProfile(job="j", round=1, iteration=9, gains=gains), 2)
+    assert (problem == "") == (named == "") and named in problem, problem

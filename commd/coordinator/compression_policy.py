@@ -77,7 +77,8 @@ class CompressionPolicy:
         for report in reports:
             self.gains.extend((r, g) for r, g in report.gains)
         self.gains = self.gains[-GAIN_MEMORY:]
-        self._gained.update(r for report in reports for r, _ in report.gains)
+        self._gained.update(r for report in reports for r, _ in report.gains
+                            if r in EXPLORE_RATIOS)  # all it asks of them: bounded
         self._observe_cpu([r.cpu_s_per_element for r in reports if r.cpu_s_per_element])
         running = self.running
         if running is not None and running.exchange != "dense":

@@ -18,6 +18,9 @@ from commd_protocol.peer import ALLGATHER, ALLREDUCE
 MAX_HOST_CHARS = 255  # a DNS name
 MAX_CPU_S_PER_ELEMENT = 1e-3  # a millisecond per element is no CPU, it is a lie
 MAX_GROUP_OVERHEAD_S = 60.0  # nor is a minute of overhead per group
+# A node reports a row per ratio its round ran (one, two across a plan change) and per smaller
+# explored ratio it worked out (three): far fewer than this.
+MAX_GAIN_ROWS = 32
 
 
 def join_problem(join: PeerJoin) -> str:
@@ -51,6 +54,8 @@ def profile_problem(profile: PeerProfile, layers: int) -> str:
             return f"comm row {row[:6]} must be [iteration, group, bytes, seconds(, kind)]"
         if len(row) == 5 and row[4] not in (ALLREDUCE, ALLGATHER):
             return f"comm row {row[:6]} has an unknown kind {row[4]!r}"
+    if len(profile.gains) > MAX_GAIN_ROWS:
+        return f"gains has {len(profile.gains)} rows, at most {MAX_GAIN_ROWS}"
     for row in profile.gains:
         if len(row) != 2 or not finite(row) or not 0 < row[0] <= 1:
             return f"gains row {row[:4]} must be [ratio in (0, 1], gain >= 0]"
