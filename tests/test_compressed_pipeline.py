@@ -196,3 +196,11 @@ async def test_a_fixed_ratio_reports_no_lower_gains(executor: ThreadPoolExecutor
     await until(lambda: records)
     assert records[0].lower_gains == [] and failures == []
     pipeline.stop()
+
+
+def test_lower_gains_are_worked_out_often_while_exploring_then_rarely() -> None:
+    from commd.job.compressed import lower_gains_due
+
+    early = [i for i in range(50) if lower_gains_due(i)]
+    late = [i for i in range(50, 300) if lower_gains_due(i)]
+    assert early == list(range(0, 50, 5)) and late == [50, 100, 150, 200, 250]
