@@ -234,7 +234,8 @@ class Replanner:
         groups = self.groups or [list(range(len(self.sizes_bytes)))]
 
         def predict(candidate: Candidate) -> float:
-            planned, line = self._plan_candidate(candidate, cost, backward)
+            planned, line = self._plan_candidate(candidate, cost, backward,
+                                                 self.search.overhead_s)
             return evaluate(planned, self.sizes_bytes, backward, line).iteration_s
 
         # Dense is measured in any case when a, b predate the latest re-measuring.
@@ -245,25 +246,23 @@ class Replanner:
         return ", ".join(x for x in (retrial, why if changed or retrial else "") if x)
 
     def _plan_candidate(self, candidate: Candidate, measured: LinearCost,
-                        backward: list[float], overhead_s: float | None = None
+                        backward: list[float], overhead_s: float
                         ) -> tuple[list[list[int]], LinearCost]:
         """A candidate's groups and the cost line that predicts them. Dense is planned with
-        the plan search's per-group overhead too (``overhead_s``, default the search's),
-        which its prediction leaves out: the search's overhead only shapes the plan."""
+        the plan search's per-group overhead ``overhead_s`` too, which its prediction leaves
+        out: the search's overhead only shapes the plan."""
         assert self.policy is not None
-        if candidate.exchange == "dense":
-            # The daemon's own cost per group (wake-ups, completions) holds for dense groups
-            # too; without it noisy fits split the plan into dozens of groups.
-            line = LinearCost(measured.alpha_s + self.policy.cpu.per_group_s,
-                              measured.beta_s_per_byte)
-            extra = self.search.overhead_s if overhead_s is None else overhead_s
-            planning = LinearCost(line.alpha_s + extra, line.beta_s_per_byte)
-            return plan_with(self.planner, self.sizes_bytes, backward, planning), line
-        else:
+        if candidate.exchange != "dense":
             line = compressed_cost(candidate.exchange, self.nodes,
                                    link_cost(measured, self.nodes), candidate.ratio,
                                    self.itemsize, self.policy.cpu)
-        return plan_with(self.planner, self.sizes_bytes, backward, line), line
+            return plan_with(self.planner, self.sizes_bytes, backward, line), line
+        # The daemon's own cost per group (wake-ups, completions) holds for dense groups
+        # too; without it noisy fits split the plan into dozens of groups.
+        line = LinearCost(measured.alpha_s + self.policy.cpu.per_group_s,
+                          measured.beta_s_per_byte)
+        planning = LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte)
+        return plan_with(self.planner, self.sizes_bytes, backward, planning), line
 
     def _plan(self, measured: LinearCost, backward: list[float],
               overhead_s: float | None = None) -> tuple[list[list[int]], list[str], LinearCost]:
@@ -273,5 +272,5 @@ class Replanner:
         planning = LinearCost(measured.alpha_s + overhead, measured.beta_s_per_byte)
         if self.policy is None or self._next is None:
             return plan_with(self.planner, self.sizes_bytes, backward, planning), [], planning
-        groups, line = self._plan_candidate(self._next, measured, backward, overhead_s)
+        groups, line = self._plan_candidate(self._next, measured, backward, overhead)
         return groups, [self._next.exchange] * len(groups), line
