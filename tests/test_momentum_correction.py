@@ -100,10 +100,10 @@ def test_hostile_kernel_arguments_raise_before_writing() -> None:
         add_momentum(update, residual, np.ones(10), 0.9)
     with pytest.raises(ValueError, match="total has 3 elements"):
         add_momentum(np.ones(3, np.float32), residual, np.ones(10, np.float32), 0.9)
-    with pytest.raises(ValueError, match="total has 3 elements"):
+    with pytest.raises(ValueError, match="total has 3 elements, velocity 10"):
         add_momentum(np.ones(3, np.float32), None, np.ones(10, np.float32), 0.9)
-    with pytest.raises(TypeError, match="residual must be float32 or float64"):
-        add_momentum(update, None, np.ones(10, np.int32), 0.9)  # the velocity, here
+    with pytest.raises(TypeError, match="velocity must be float32 or float64"):
+        add_momentum(update, None, np.ones(10, np.int32), 0.9)
     np.testing.assert_array_equal(residual, np.ones(10, np.float32))
     np.testing.assert_array_equal(update, np.ones(10, np.float32))
 

@@ -131,14 +131,16 @@ def _check_all_ascending(indices: np.ndarray, size: int) -> None:
         _check_ascending(indices[start:start + INDEX_CHUNK + 1], 0, size)
 
 
-def check_update(residual: object, update: object, name: str = "update") -> None:
-    """Two 1-D float buffers of one dtype and size, or TypeError/ValueError naming them."""
-    residual = check_float_buffer("residual", residual)
+def check_update(residual: object, update: object, name: str = "update",
+                 reference: str = "residual") -> None:
+    """Two 1-D float buffers of one dtype and size, or TypeError/ValueError naming them
+    (``reference``: the first one's name)."""
+    residual = check_float_buffer(reference, residual)
     update = check_float_buffer(name, update)
     if update.dtype != residual.dtype:
-        raise TypeError(f"{name} is {update.dtype}, residual is {residual.dtype}")
+        raise TypeError(f"{name} is {update.dtype}, {reference} is {residual.dtype}")
     if update.shape != residual.shape:
-        raise ValueError(f"{name} has {update.size} elements, residual {residual.size}")
+        raise ValueError(f"{name} has {update.size} elements, {reference} {residual.size}")
 
 
 def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False,
@@ -185,7 +187,7 @@ def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.nd
     reaches the subnormal floats, whose arithmetic is many times slower). ``residual`` None:
     it is known to be zero, total = velocity."""
     if residual is None:
-        check_update(velocity, total, "total")  # names velocity "residual": no residual here
+        check_update(velocity, total, "total", "velocity")
     else:
         check_update(residual, total, "total")
         check_update(residual, velocity, "velocity")
