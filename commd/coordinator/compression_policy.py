@@ -71,6 +71,16 @@ class CompressionPolicy:
             return "exploring"
         return self.trials.state
 
+    @property
+    def settled(self) -> Candidate | None:
+        """What the job runs until something changes (None: it is still exploring or
+        measuring): the trials' choice, or a forced exchange at its ratio."""
+        if self.spec.ratio is None and self._exploring() is not None:
+            return None
+        if self.spec.exchange != "auto":
+            return Candidate(self.spec.exchange, self.ratio)
+        return self.trials.chosen
+
     def observe(self, reports: Sequence[PeerProfile], whole_round: bool) -> str:
         """A round's reports; ``whole_round``: every node ran the plan in force all round.
         Returns why every exchange is to be measured again ("" if not)."""

@@ -72,14 +72,15 @@ class Replanner:
     _next: Candidate | None = None  # what the plan being made runs (compressed jobs)
     _network_epoch: int = -1  # compressed jobs: the trial epoch a, b were last fitted in
     _network_cost: LinearCost | None = None  # compressed jobs: a, b from dense collectives
+    # compressed jobs: one plan search per candidate the trials chose (``_enable_search``)
+    _searches: dict[Candidate, PlanSearch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         spec = parse_compression(self.compression)
         if spec is not None:
             self.policy = CompressionPolicy(spec, self.nodes, self.itemsize)
         # Only plans that depend on a can be tuned by measuring. A compressed job searches
-        # once its trials have chosen dense (``_enable_search``): its compressed candidates
-        # are measured by the trials instead, free of a second search.
+        # the plan of what its trials chose, once chosen (``_enable_search``).
         self.search.enabled = self._searchable() and spec is None
 
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
@@ -95,11 +96,12 @@ class Replanner:
             # the measured step, and the trials' watch acts on that.
             reason = ""
         self._enable_search()
+        searching = self.search.enabled and not self.search.done
         search_reason = self._search(reports, cost, backward)
-        if search_reason and self.search.done and self.policy is not None:
+        if searching and self.search.done and self.policy is not None:
             best = self.search.best
-            assert best is not None
-            self.policy.trials.replanned(DENSE, best.step_s)
+            assert best is not None and self.policy.running is not None
+            self.policy.trials.replanned(self.policy.running, best.step_s)
         reason = ", ".join(x for x in (reason, compression_reason, search_reason) if x)
         if reason:
             previous = (self.groups, self.exchanges, self.ratio)
@@ -120,7 +122,8 @@ class Replanner:
         policy = self.policy
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, reason or "no drift", self.exchanges,
-                        self.ratio, self.search.overhead_s, self.search.state,
+                        self.ratio, self._overhead_of(policy.running if policy else None),
+                        self.search.state,
                         policy.state if policy else "",
                         policy.trials.table() if policy else [])
 
@@ -140,15 +143,29 @@ class Replanner:
         return self.planner in SEARCHED_PLANNERS and self.nodes > 1
 
     def _enable_search(self) -> None:
-        """A compressed job whose trials chose dense, and whose last round ran dense, is a
-        dense job: its plan is searched like one (on loopback a compressed job running
-        dense kept a 4–8-group plan that measured ~10 % slower than the one group the
-        search finds for a job without compression)."""
+        """A compressed job searches the plan of the candidate its trials chose, once a whole
+        round ran it, like a dense job: the cost model's plan for it can be much slower than
+        fewer groups. At 1 Gbit/s a job whose trial of ``allgather@0.01`` measured 74 ms on
+        one group then ran the model's 5 groups at 90–100 ms (its selections compete with the
+        backward pass for the cores); on loopback a job running dense kept a 4–8-group plan
+        ~10 % slower than the one group the search finds. Each candidate has its own search
+        (a new ratio is a new candidate); the others' rounds pause it. A forced exchange
+        searches once its ratio is settled."""
         policy = self.policy
         if policy is None or not self._searchable():
             return
-        self.search.enabled = (policy.trials.chosen == DENSE and policy.running == DENSE
-                               and self._next == DENSE)
+        chosen = policy.settled
+        if chosen is not None and policy.running == chosen == self._next:
+            self.search = self._searches.setdefault(chosen, PlanSearch())
+        else:
+            self.search = PlanSearch(enabled=False)
+
+    def _overhead_of(self, candidate: Candidate | None) -> float:
+        """The per-group overhead ``candidate`` is planned with: its search's (0: none)."""
+        if self.policy is None:
+            return self.search.overhead_s
+        search = self._searches.get(candidate) if candidate is not None else None
+        return search.overhead_s if search is not None else 0.0
 
     def _search(self, reports: Sequence[PeerProfile], cost: LinearCost,
                 backward: list[float]) -> str:
@@ -235,7 +252,7 @@ class Replanner:
 
         def predict(candidate: Candidate) -> float:
             planned, line = self._plan_candidate(candidate, cost, backward,
-                                                 self.search.overhead_s)
+                                                 self._overhead_of(candidate))
             return evaluate(planned, self.sizes_bytes, backward, line).iteration_s
 
         # Dense is measured in any case when a, b predate the latest re-measuring.
@@ -248,19 +265,19 @@ class Replanner:
     def _plan_candidate(self, candidate: Candidate, measured: LinearCost,
                         backward: list[float], overhead_s: float
                         ) -> tuple[list[list[int]], LinearCost]:
-        """A candidate's groups and the cost line that predicts them. Dense is planned with
-        the plan search's per-group overhead ``overhead_s`` too, which its prediction leaves
-        out: the search's overhead only shapes the plan."""
+        """A candidate's groups and the cost line that predicts them. The plan is made with
+        the plan search's per-group overhead ``overhead_s`` on top, which the prediction
+        leaves out: the search's overhead only shapes the plan."""
         assert self.policy is not None
         if candidate.exchange != "dense":
             line = compressed_cost(candidate.exchange, self.nodes,
                                    link_cost(measured, self.nodes), candidate.ratio,
                                    self.itemsize, self.policy.cpu)
-            return plan_with(self.planner, self.sizes_bytes, backward, line), line
-        # The daemon's own cost per group (wake-ups, completions) holds for dense groups
-        # too; without it noisy fits split the plan into dozens of groups.
-        line = LinearCost(measured.alpha_s + self.policy.cpu.per_group_s,
-                          measured.beta_s_per_byte)
+        else:
+            # The daemon's own cost per group (wake-ups, completions) holds for dense groups
+            # too; without it noisy fits split the plan into dozens of groups.
+            line = LinearCost(measured.alpha_s + self.policy.cpu.per_group_s,
+                              measured.beta_s_per_byte)
         planning = LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte)
         return plan_with(self.planner, self.sizes_bytes, backward, planning), line
 
@@ -268,7 +285,7 @@ class Replanner:
               overhead_s: float | None = None) -> tuple[list[list[int]], list[str], LinearCost]:
         """Groups, per-group exchanges and the cost the plan was made with (the measured a
         plus the plan search's per-group overhead)."""
-        overhead = self.search.overhead_s if overhead_s is None else overhead_s
+        overhead = self._overhead_of(self._next) if overhead_s is None else overhead_s
         planning = LinearCost(measured.alpha_s + overhead, measured.beta_s_per_byte)
         if self.policy is None or self._next is None:
             return plan_with(self.planner, self.sizes_bytes, backward, planning), [], planning
