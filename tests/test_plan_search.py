@@ -227,6 +227,24 @@ def test_each_chosen_candidate_has_its_own_search() -> None:
     assert replanner._overhead_of(DENSE) == 0.0  # never chosen: planned as the model says
 
 
+def test_a_long_job_keeps_a_bounded_number_of_searches() -> None:
+    """Every re-measuring may settle on a new ratio, so a new candidate: a job that runs
+    for weeks must not keep a search for each."""
+    from commd.coordinator.exchange_trials import Candidate
+    from commd.coordinator.replanner import MAX_SEARCHES
+
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:0.01")
+    policy = replanner.policy
+    assert policy is not None
+    for number in range(3 * MAX_SEARCHES):
+        candidate = Candidate("allgather", 0.01 + number * 1e-4)
+        policy.trials.chosen = policy.running = replanner._next = candidate
+        replanner._enable_search()
+        assert replanner.search is replanner._searches[candidate]
+    assert len(replanner._searches) == MAX_SEARCHES
+    assert Candidate("allgather", 0.01) not in replanner._searches  # the oldest went first
+
+
 def test_a_forced_exchange_searches_once_its_ratio_is_settled() -> None:
     replanner = Replanner("optimal", [1 << 20] * 16, nodes=2,
                           compression="topk:auto:allgather")

@@ -33,6 +33,9 @@ DRIFT = 0.25  # relative change of a, b or the backward profile that triggers a 
 FALLBACK_COST = LinearCost(alpha_s=100e-6, beta_s_per_byte=1e-9)  # before any measurement
 SWITCH_GAIN = 0.01  # a drift re-plan must be predicted this much faster to replace the plan
 SEARCHED_PLANNERS = ("optimal", "mgwfbp")  # the planners whose plans depend on a
+# Plan searches a compressed job keeps (one per candidate settled on; every re-measuring of
+# the exchanges may settle on a new ratio): the oldest goes first.
+MAX_SEARCHES = 8
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ class Replanner:
             return
         chosen = policy.settled
         if chosen is not None and policy.running == chosen == self._next:
+            if chosen not in self._searches and len(self._searches) >= MAX_SEARCHES:
+                del self._searches[next(iter(self._searches))]
             self.search = self._searches.setdefault(chosen, PlanSearch())
         else:
             self.search = PlanSearch(enabled=False)
