@@ -67,15 +67,20 @@ class CompressionPolicy:
         """For status: "forced", "exploring", "measuring" or "measured"."""
         if self.spec.exchange != "auto":
             return "forced"
-        if self.spec.ratio is None and self._exploring() is not None:
+        if self.exploring:
             return "exploring"
         return self.trials.state
+
+    @property
+    def exploring(self) -> bool:
+        """Whether ``topk:auto`` still runs ratios to learn their steps and gains."""
+        return self.spec.ratio is None and self._exploring() is not None
 
     @property
     def settled(self) -> Candidate | None:
         """What the job runs until something changes (None: it is still exploring or
         measuring): the trials' choice, or a forced exchange at its ratio."""
-        if self.spec.ratio is None and self._exploring() is not None:
+        if self.exploring:
             return None
         if self.spec.exchange != "auto":
             return Candidate(self.spec.exchange, self.ratio)
@@ -130,7 +135,7 @@ class CompressionPolicy:
         if self.spec.exchange != "auto":
             return Candidate(self.spec.exchange, ratio), why_ratio
         compressed = [Candidate(exchange, ratio) for exchange in self._exchanges()]
-        if self.spec.ratio is None and self._exploring() is not None:
+        if self.exploring:
             # Exploring: the gain model needs compressed rounds, at the model's exchange.
             predicted = {c: predict(c) for c in compressed}
             self.trials.predicted = predicted
