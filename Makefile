@@ -38,4 +38,4 @@ bench-all: $(STAMP)
 	$(BIN)/python bench/compression.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info commd/compression/_native*.so

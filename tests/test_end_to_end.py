@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from commd.compression import native
 from commd.testing.processes import kill_all
 
 from ranks import JobSpec, collect, expected, start_ranks
@@ -92,6 +93,7 @@ def test_status_shows_running_job(start_daemon) -> None:
         ).stdout
         status = json.loads(out)
         assert status["backend"] == "gloo" and status["uptime_s"] > 0
+        assert status["compression_loops"] == native.describe()  # the daemon's, as here
         (job,) = status["jobs"]
         assert job["job"] == "observed" and job["world_size"] == 2
         assert job["local_ranks"] == [1] and job["nodes"] == 2 and job["node_index"] == 1

@@ -156,6 +156,12 @@ def test_render_no_jobs() -> None:
         "no jobs")
 
 
+def test_render_names_the_compression_loops() -> None:
+    loops = {**SAMPLE, "compression_loops": "compiled, AVX-512"}
+    assert "compression loops compiled, AVX-512" in render(read_status(loops)).splitlines()
+    assert "compression loops" not in render(read_status(SAMPLE))  # an older daemon
+
+
 def test_render_a_status_that_travelled_the_wire() -> None:
     reply = msgspec.msgpack.decode(encode(StatusReply(status=SAMPLE)), type=StatusReply)
     assert render(read_status(reply.status)) == render(read_status(SAMPLE))

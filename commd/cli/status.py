@@ -55,6 +55,8 @@ def render(status: DaemonStatus) -> str:
         f"up {status.uptime_s:.0f}s",
         f"clients {status.socket}  peers {status.listen}",
     ]
+    if status.compression_loops:
+        lines.append(f"compression loops {status.compression_loops}")
     if not status.jobs:
         lines.append("no jobs")
         return "\n".join(lines)

@@ -6,6 +6,9 @@ least ``PARALLEL_MIN`` elements are split, on chunk boundaries, over a thread po
 this module (numpy releases the GIL in its loops). Results never depend on the split: every
 partial sum is per chunk and the chunk sums are added in chunk order.
 
+Where the compiled loops are built (``native.py``), each function below hands its whole
+step to one of them, after the same checks; numpy's chunked code runs otherwise.
+
 The pool is never the caller's: the daemon already runs these functions inside its own
 executor, and a task that waited on that executor from inside it could deadlock. Pool tasks
 never wait on anything, and the calling thread always works one part itself.
@@ -18,9 +21,12 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from types import ModuleType
 from typing import TypeVar
 
 import numpy as np
+
+from commd.compression import native
 
 __all__ = [
     "CHUNK",
@@ -157,6 +163,9 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
     if velocity is not None:
         check_update(residual, velocity, "velocity")
         _check_momentum(momentum)
+    loops = native.active()
+    if loops is not None and native.contiguous(residual, update, velocity):
+        return _add_and_energy_compiled(loops, residual, update, clear, velocity, momentum)
 
     def work(_part: int, lo: int, hi: int) -> list[float]:
         sums = []
@@ -172,6 +181,21 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
         return sums
 
     return ordered_sum(run_parts(residual.size, work))
+
+
+def _add_and_energy_compiled(loops: ModuleType, residual: np.ndarray, update: np.ndarray,
+                             clear: bool, velocity: np.ndarray | None, momentum: float) -> float:
+    chunk = loops.CHUNK  # the compiled loops' own: one energy partial sum per chunk
+    sums = np.empty(-(-residual.size // chunk))
+    wide = residual.dtype == np.float64
+
+    def work(_part: int, lo: int, hi: int) -> None:  # lo: a multiple of chunk
+        loops.add_energy(residual[lo:hi], update[lo:hi],
+                         None if velocity is None else velocity[lo:hi], momentum, clear, wide,
+                         sums[lo // chunk:-(-hi // chunk)])
+
+    run_parts(residual.size, work, chunk)
+    return ordered_sum([sums.tolist()])
 
 
 def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.ndarray,
@@ -252,6 +276,9 @@ def take_and_clear(error: np.ndarray, indices: np.ndarray,
     if out.dtype != error.dtype or out.size != indices.size:
         raise ValueError(f"out must be {error.dtype} of {indices.size} elements, "
                          f"got {out.dtype} of {out.size}")
+    loops = native.active()
+    if loops is not None and _compiled_pairs(error, indices, out):
+        return out, loops.take_clear(error, indices, out, error.dtype == np.float64)
     _check_all_ascending(indices, error.size)
 
     def work(_part: int, lo: int, hi: int) -> list[float]:
@@ -298,11 +325,21 @@ def _bounds(run: np.ndarray, starts: np.ndarray) -> list[int]:
     return np.maximum.accumulate(found).tolist()
 
 
+def _compiled_pairs(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> bool:
+    """What the compiled pair loops take: int32 indices, contiguous buffers (a ValueError
+    or IndexError from them names the indices, as numpy's checks do)."""
+    return indices.dtype == np.int32 and native.contiguous(target, indices, values)
+
+
 def put(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
     """target[indices] = values into an already zeroed ``target`` (``add_and_energy(...,
     clear=True)``), so no zeroing pass. ``indices`` strictly ascending, checked before anything
     is written."""
     _check_pairs(target, indices, values)
+    loops = native.active()
+    if loops is not None and _compiled_pairs(target, indices, values):
+        loops.scatter(target, indices, values, target.dtype == np.float64, 0)
+        return
     _check_all_ascending(indices, target.size)
     for start in range(0, indices.size, INDEX_CHUNK):
         stop = start + INDEX_CHUNK
@@ -333,6 +370,10 @@ def accumulate_pairs(target: np.ndarray, indices: np.ndarray, values: np.ndarray
     chunk, then add each run's pairs that fall in it. More than MAX_RUNS runs: np.add.at.
     """
     _check_pairs(target, indices, values)
+    loops = native.active()
+    if loops is not None and _compiled_pairs(target, indices, values):
+        loops.scatter(target, indices, values, target.dtype == np.float64, 1 if zeroed else 2)
+        return
     starts = _run_starts(indices)
     if len(starts) > MAX_RUNS:  # not blocks of top-k indices: the general (slow) way
         if indices.size and (indices.min() < 0 or indices.max() >= target.size):

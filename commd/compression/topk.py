@@ -12,11 +12,13 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
 
+from commd.compression import native
 from commd.compression.costs import EXCHANGES, topk_count
 from commd.compression.kernels import (
     CHUNK,
@@ -125,6 +127,7 @@ _BITS: dict[np.dtype[Any], tuple[np.dtype[Any], Any, Any]] = {
                            np.uint64(0x7FF0_0000_0000_0000)),
 }
 _INT32_MAX = 2**31 - 1
+SLACK = 16  # candidate buffer elements past the limit: the compiled pass's vector stores
 _SAMPLE_SEED = 0x70C0  # fixed: the sample (and so the work done) is the same on every node
 
 
@@ -159,7 +162,7 @@ class TopkScratch:
     def candidates(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Index, magnitude and work buffers of ``count`` elements (grown, never shrunk)."""
         if self._index.size < count:
-            size = min(self.capacity, max(count, 2 * self._index.size))
+            size = min(self.capacity + SLACK, max(count, 2 * self._index.size))
             self._index = np.empty(size, np.int32)
             self._magnitude = np.empty(size, self._bits)
             self._work = np.empty(size, self._bits)
@@ -238,6 +241,8 @@ def _select(error: np.ndarray, k: int, scratch: TopkScratch | None,
     if threshold is None:  # small, k a large share, or k >= size: no sample
         path = "all" if k >= size else "dense"
         chosen = np.arange(size, dtype=np.int32) if k >= size else _select_dense(error, k)
+    elif (loops := native.active()) is not None and native.contiguous(error):
+        path, chosen = _select_compiled(loops, error, k, threshold, limit, scratch)
     else:
         found = _scan(error, k, threshold, limit, scratch, tuning)
         if found is None or found[0].size < k:
@@ -249,6 +254,28 @@ def _select(error: np.ndarray, k: int, scratch: TopkScratch | None,
     if scratch is not None:
         scratch.last_path = path
     return chosen
+
+
+def _select_compiled(loops: ModuleType, error: np.ndarray, k: int, threshold: np.generic,
+                     limit: int, scratch: TopkScratch | None) -> tuple[str, np.ndarray]:
+    """The candidate pass and the exact selection among the candidates in one compiled call
+    (a radix select on the magnitude bits, no partition); the full path if the sample
+    missed."""
+    room = limit + SLACK  # the compiled pass stores whole vectors
+    if scratch is not None:
+        index, magnitude, work = scratch.candidates(room)
+    else:
+        bits = _BITS[error.dtype][0]
+        index, magnitude, work = (np.empty(room, np.int32), np.empty(room, bits),
+                                  np.empty(room, bits))
+    chosen = np.empty(k, np.int32)
+    found = loops.select(error, error.dtype == np.float64, int(threshold), k, limit, index,
+                         magnitude, work, chosen)
+    if found < 0:
+        return "fallback-many", _select_dense(error, k)
+    if found < k:
+        return "fallback-few", _select_dense(error, k)
+    return "sample", chosen
 
 
 def _magnitude_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

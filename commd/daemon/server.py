@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 import commd
+from commd.compression import native
 from commd.coordinator.coordinator import Coordinator, Deadlines
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, serve
@@ -100,7 +101,8 @@ class Daemon:
             self.backend, why = choose_backend(self.settings.backend)
         except Exception as exc:
             raise StartupError(str(exc)) from None
-        log.info("backend %s (%s)", self.backend, why)
+        log.info("backend %s (%s); compression loops: %s", self.backend, why,
+                 native.describe())
         self._new_job.backend = self.backend
         key = self._secure_peers()
         self._clients = bind_clients(self._context, self.settings.socket)
@@ -297,6 +299,7 @@ class Daemon:
             jobs=[job.status() for job in self.jobs.values()],
             coordinating=self._coordinator.status(),
             peer_handshakes_refused=self._security.refused,
+            compression_loops=native.describe(),
         )
 
     def _metric_counts(self) -> Counts:

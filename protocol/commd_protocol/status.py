@@ -119,6 +119,8 @@ class DaemonStatus(_Status):
     jobs: list[JobStatus] = []
     coordinating: list[CoordinatedJob] = []
     peer_handshakes_refused: int = 0  # peers without the cluster key, turned away
+    # which loops run the top-k path: "compiled[, AVX-512]" or "numpy (why)"; "": older daemon
+    compression_loops: str = ""
 
 
 def status_map(status: DaemonStatus) -> dict[str, Any]:

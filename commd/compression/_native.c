@@ -1,0 +1,250 @@
+/* Compiled loops for the compressed path of one group (see docs/compression.md, "Native
+ * kernels"). numpy needs one pass per operation and a temporary per step; these do each step
+ * of the path in one pass, without the GIL.
+ *
+ * Memory safety is checked here: every buffer's length is checked against the element counts
+ * the loops use, and every index before anything is written. What the values mean (dtypes,
+ * shapes, the tie rule) is checked by the Python wrappers in kernels.py and topk.py, the only
+ * callers. Built with -ffp-contract=off: the element arithmetic rounds exactly as numpy's
+ * (no fused multiply-add), so both paths give bit-identical residuals and results.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_native_loops.h"
+
+typedef enum { OK = 0, BAD_ORDER = 1, OUT_OF_RANGE = 2 } status_t;
+
+/* Indices strictly ascending and in [0, n) (else BAD_ORDER: a ValueError, as numpy's check
+ * raises), checked before a kernel writes anything. */
+static status_t check_ascending(const int32_t *index, Py_ssize_t m, Py_ssize_t n) {
+    int64_t previous = -1;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t at = index[i];
+        if (at <= previous) return BAD_ORDER;
+        previous = at;
+    }
+    return previous >= n ? BAD_ORDER : OK;
+}
+
+static status_t check_range(const int32_t *index, Py_ssize_t m, Py_ssize_t n) {
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < m; i++) bad |= index[i] < 0 || (Py_ssize_t)index[i] >= n;
+    return bad ? OUT_OF_RANGE : OK;
+}
+
+/* ---- Python entry points ------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer views[8];
+    int held;
+} buffers_t;
+
+static void release(buffers_t *b) {
+    for (int i = 0; i < b->held; i++) PyBuffer_Release(&b->views[i]);
+    b->held = 0;
+}
+
+/* A C-contiguous buffer of ``object`` (writable if asked) with exactly ``count`` items of
+ * ``itemsize`` bytes (count < 0: any multiple, returned through *found). */
+static char *hold(buffers_t *b, PyObject *object, int writable, Py_ssize_t itemsize,
+                  Py_ssize_t count, Py_ssize_t *found, const char *name) {
+    Py_buffer *view = &b->views[b->held];
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(object, view, flags) < 0) return NULL;
+    b->held++;
+    if (view->len % itemsize || (count >= 0 && view->len / itemsize != count)) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd items of %zd bytes",
+                     name, view->len, count, itemsize);
+        return NULL;
+    }
+    if (found) *found = view->len / itemsize;
+    return (char *)view->buf;
+}
+
+static PyObject *index_error(status_t status, Py_ssize_t n) {
+    if (status == BAD_ORDER)
+        return PyErr_Format(PyExc_ValueError,
+                            "indices must be strictly ascending and in [0, %zd)", n);
+    return PyErr_Format(PyExc_IndexError, "indices must be in [0, %zd)", n);
+}
+
+static PyObject *py_add_energy(PyObject *self, PyObject *args) {
+    PyObject *residual_o, *update_o, *velocity_o, *sums_o;
+    double momentum;
+    int clear, wide;
+    if (!PyArg_ParseTuple(args, "OOOdppO", &residual_o, &update_o, &velocity_o, &momentum,
+                          &clear, &wide, &sums_o))
+        return NULL;
+    buffers_t b = {.held = 0};
+    Py_ssize_t size = wide ? 8 : 4, n = 0;
+    char *residual = hold(&b, residual_o, 1, size, -1, &n, "residual");
+    char *update = residual ? hold(&b, update_o, 1, size, n, NULL, "update") : NULL;
+    char *velocity = NULL;
+    if (update && velocity_o != Py_None)
+        velocity = hold(&b, velocity_o, 1, size, n, NULL, "velocity");
+    double *sums = (update && (velocity || velocity_o == Py_None))
+        ? (double *)hold(&b, sums_o, 1, 8, (n + CHUNK - 1) / CHUNK, NULL, "sums") : NULL;
+    if (!sums) { release(&b); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    if (wide)
+        add_energy_f64((double *)residual, (double *)update, (double *)velocity, momentum,
+                       clear, n, sums);
+    else
+        add_energy_f32((float *)residual, (float *)update, (float *)velocity,
+                       (float)momentum, clear, n, sums);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    Py_RETURN_NONE;
+}
+
+/* select(error, wide, threshold, k, limit, index, bits, work, out) -> candidates found
+ * (-1: more than limit; fewer than k: ``out`` untouched). */
+static PyObject *py_select(PyObject *self, PyObject *args) {
+    PyObject *error_o, *index_o, *bits_o, *work_o, *out_o;
+    int wide;
+    unsigned long long threshold;
+    Py_ssize_t k, limit;
+    if (!PyArg_ParseTuple(args, "OpKnnOOOO", &error_o, &wide, &threshold, &k, &limit,
+                          &index_o, &bits_o, &work_o, &out_o))
+        return NULL;
+    if (k < 1 || limit < k)
+        return PyErr_Format(PyExc_ValueError, "need 1 <= k <= limit, got %zd, %zd", k, limit);
+    buffers_t b = {.held = 0};
+    Py_ssize_t size = wide ? 8 : 4, n = 0, room = 0, spare = 0;
+    char *error = hold(&b, error_o, 0, size, -1, &n, "error");
+    char *index = error ? hold(&b, index_o, 1, 4, -1, &room, "index") : NULL;
+    char *bits = index ? hold(&b, bits_o, 1, size, room, NULL, "bits") : NULL;
+    char *work = bits ? hold(&b, work_o, 1, size, -1, &spare, "work") : NULL;
+    char *out = work ? hold(&b, out_o, 1, 4, k, NULL, "out") : NULL;
+    if (out && (room < limit + SLACK || spare < limit || n > INT32_MAX || k > n)) {
+        PyErr_Format(PyExc_ValueError, "select: buffers of %zd and %zd for limit %zd, "
+                     "k %zd of %zd", room, spare, limit, k, n);
+        out = NULL;
+    }
+    uint32_t *hist = out ? malloc(DIGITS * sizeof *hist) : NULL;
+    if (!hist) {
+        if (out) PyErr_NoMemory();
+        release(&b);
+        return NULL;
+    }
+    Py_ssize_t found, written = k;
+    Py_BEGIN_ALLOW_THREADS
+    if (wide) {
+        found = scan_f64((const double *)error, n, (uint64_t)threshold, k, limit,
+                         (int32_t *)index, (uint64_t *)bits);
+        if (found >= k)
+            written = pick_f64((int32_t *)index, (uint64_t *)bits, found, k, (uint64_t *)work,
+                               hist, (int32_t *)out);
+    } else {
+        found = scan_f32((const float *)error, n, (uint32_t)threshold, k, limit,
+                         (int32_t *)index, (uint32_t *)bits);
+        if (found >= k)
+            written = pick_f32((int32_t *)index, (uint32_t *)bits, found, k, (uint32_t *)work,
+                               hist, (int32_t *)out);
+    }
+    Py_END_ALLOW_THREADS
+    free(hist);
+    release(&b);
+    if (written != k)  /* cannot happen: the radix select counts exactly */
+        return PyErr_Format(PyExc_RuntimeError, "select wrote %zd of %zd", written, k);
+    return PyLong_FromSsize_t(found);
+}
+
+/* take_clear(error, index, out, wide) -> sum of the taken values' squares */
+static PyObject *py_take_clear(PyObject *self, PyObject *args) {
+    PyObject *error_o, *index_o, *out_o;
+    int wide;
+    if (!PyArg_ParseTuple(args, "OOOp", &error_o, &index_o, &out_o, &wide)) return NULL;
+    buffers_t b = {.held = 0};
+    Py_ssize_t size = wide ? 8 : 4, n = 0, m = 0;
+    char *error = hold(&b, error_o, 1, size, -1, &n, "error");
+    char *index = error ? hold(&b, index_o, 0, 4, -1, &m, "indices") : NULL;
+    char *out = index ? hold(&b, out_o, 1, size, m, NULL, "out") : NULL;
+    if (!out) { release(&b); return NULL; }
+    status_t status;
+    double energy = 0;
+    Py_BEGIN_ALLOW_THREADS
+    status = check_ascending((const int32_t *)index, m, n);
+    if (status == OK)
+        energy = wide ? take_clear_f64((double *)error, (const int32_t *)index, m, (double *)out)
+                      : take_clear_f32((float *)error, (const int32_t *)index, m, (float *)out);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    return status == OK ? PyFloat_FromDouble(energy) : index_error(status, n);
+}
+
+/* scatter(target, index, values, wide, mode): mode 0 puts (indices strictly ascending),
+ * 1 adds pair by pair, 2 zeroes the target first and adds. */
+static PyObject *py_scatter(PyObject *self, PyObject *args) {
+    PyObject *target_o, *index_o, *values_o;
+    int wide, mode;
+    if (!PyArg_ParseTuple(args, "OOOpi", &target_o, &index_o, &values_o, &wide, &mode))
+        return NULL;
+    if (mode < 0 || mode > 2) return PyErr_Format(PyExc_ValueError, "mode %d", mode);
+    buffers_t b = {.held = 0};
+    Py_ssize_t size = wide ? 8 : 4, n = 0, m = 0;
+    char *target = hold(&b, target_o, 1, size, -1, &n, "target");
+    char *index = target ? hold(&b, index_o, 0, 4, -1, &m, "indices") : NULL;
+    char *values = index ? hold(&b, values_o, 0, size, m, NULL, "values") : NULL;
+    if (!values) { release(&b); return NULL; }
+    status_t status;
+    Py_BEGIN_ALLOW_THREADS
+    status = mode == 0 ? check_ascending((const int32_t *)index, m, n)
+                       : check_range((const int32_t *)index, m, n);
+    if (status == OK) {
+        if (mode == 2) memset(target, 0, (size_t)n * (size_t)size);
+        if (mode == 0 && wide) put_f64((double *)target, (const int32_t *)index, m,
+                                       (const double *)values);
+        else if (mode == 0) put_f32((float *)target, (const int32_t *)index, m,
+                                    (const float *)values);
+        else if (wide) accumulate_f64((double *)target, n, (const int32_t *)index, m,
+                                      (const double *)values);
+        else accumulate_f32((float *)target, n, (const int32_t *)index, m,
+                            (const float *)values);
+    }
+    Py_END_ALLOW_THREADS
+    release(&b);
+    if (status != OK) return index_error(status, n);
+    Py_RETURN_NONE;
+}
+
+/* use_avx512(flag) -> whether it is used now: tests run the plain loops on an AVX-512 CPU */
+static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+    avx512_known = -1;
+    if (!flag || !native_avx512()) avx512_known = 0;
+    return PyBool_FromLong(native_avx512());
+}
+
+static PyMethodDef methods[] = {
+    {"use_avx512", py_use_avx512, METH_VARARGS,
+     "use_avx512(flag) -> bool: the AVX-512 loops where the CPU has them (flag), or never"},
+    {"add_energy", py_add_energy, METH_VARARGS,
+     "add_energy(residual, update, velocity, momentum, clear, wide, sums)"},
+    {"select", py_select, METH_VARARGS,
+     "select(error, wide, threshold, k, limit, index, bits, work, out) -> candidates"},
+    {"take_clear", py_take_clear, METH_VARARGS, "take_clear(error, index, out, wide) -> float"},
+    {"scatter", py_scatter, METH_VARARGS, "scatter(target, index, values, wide, mode)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "Compiled loops of the compressed path.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0 ||
+              PyModule_AddIntConstant(m, "SLACK", SLACK) < 0 ||
+              PyModule_AddIntConstant(m, "AVX512", native_avx512()) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
