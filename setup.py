@@ -11,6 +11,6 @@ setup(ext_modules=[Extension(
     ["commd/compression/_native.c"],
     depends=["commd/compression/_native_loops.h"],
     # no fused multiply-add: the same rounding as numpy's separate multiply and add
-    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"],
+    extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off"],
     optional=True,
 )])

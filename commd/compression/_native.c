@@ -16,8 +16,6 @@
 
 #include "_native_loops.h"
 
-typedef enum { OK = 0, BAD_ORDER = 1, OUT_OF_RANGE = 2 } status_t;
-
 /* Indices strictly ascending and in [0, n) (else BAD_ORDER: a ValueError, as numpy's check
  * raises), checked before a kernel writes anything. */
 static status_t check_ascending(const int32_t *index, Py_ssize_t m, Py_ssize_t n) {
@@ -28,12 +26,6 @@ static status_t check_ascending(const int32_t *index, Py_ssize_t m, Py_ssize_t n
         previous = at;
     }
     return previous >= n ? BAD_ORDER : OK;
-}
-
-static status_t check_range(const int32_t *index, Py_ssize_t m, Py_ssize_t n) {
-    int bad = 0;
-    for (Py_ssize_t i = 0; i < m; i++) bad |= index[i] < 0 || (Py_ssize_t)index[i] >= n;
-    return bad ? OUT_OF_RANGE : OK;
 }
 
 /* ---- Python entry points ------------------------------------------------------------- */
@@ -193,18 +185,18 @@ static PyObject *py_scatter(PyObject *self, PyObject *args) {
     if (!values) { release(&b); return NULL; }
     status_t status;
     Py_BEGIN_ALLOW_THREADS
-    status = mode == 0 ? check_ascending((const int32_t *)index, m, n)
-                       : check_range((const int32_t *)index, m, n);
-    if (status == OK) {
-        if (mode == 2) memset(target, 0, (size_t)n * (size_t)size);
-        if (mode == 0 && wide) put_f64((double *)target, (const int32_t *)index, m,
-                                       (const double *)values);
-        else if (mode == 0) put_f32((float *)target, (const int32_t *)index, m,
-                                    (const float *)values);
-        else if (wide) accumulate_f64((double *)target, n, (const int32_t *)index, m,
-                                      (const double *)values);
-        else accumulate_f32((float *)target, n, (const int32_t *)index, m,
-                            (const float *)values);
+    if (mode == 0) {
+        status = check_ascending((const int32_t *)index, m, n);
+        if (status == OK && wide)
+            put_f64((double *)target, (const int32_t *)index, m, (const double *)values);
+        else if (status == OK)
+            put_f32((float *)target, (const int32_t *)index, m, (const float *)values);
+    } else if (wide) {
+        status = accumulate_f64((double *)target, n, (const int32_t *)index, m,
+                                (const double *)values, mode == 2);
+    } else {
+        status = accumulate_f32((float *)target, n, (const int32_t *)index, m,
+                                (const float *)values, mode == 2);
     }
     Py_END_ALLOW_THREADS
     release(&b);

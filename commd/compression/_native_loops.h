@@ -27,6 +27,8 @@
 #define SLACK 16       /* elements past limit in the candidate buffers: full vector stores */
 #define MAX_RUNS 1024  /* ascending runs accumulate merges chunk by chunk; more: input order */
 
+typedef enum { OK = 0, BAD_ORDER = 1, OUT_OF_RANGE = 2 } status_t;
+
 typedef float f32v __attribute__((vector_size(32)));
 typedef double f64v __attribute__((vector_size(32)));
 
@@ -129,10 +131,11 @@ static U kth_##S(const U *bits, Py_ssize_t m, Py_ssize_t k, U *work, uint32_t *h
         need -= above;                                                                        \
         prefix |= (U)digit << shift;                                                          \
         if (shift == 0) break;                                                                \
-        Py_ssize_t kept = 0; /* in place once source is work: kept <= i */                    \
-        for (Py_ssize_t i = 0; i < length; i++) {                                             \
+        Py_ssize_t kept = 0, i = 0; /* in place once source is work: kept <= i */             \
+        AVX512_COMPACT(S)                                                                     \
+        for (; i < length; i++) {                                                             \
             U b = source[i];                                                                  \
-            work[kept] = b;                                                                   \
+            work[kept] = b;                                                                    \
             kept += (Py_ssize_t)((b >> shift) & (DIGITS - 1)) == digit;                       \
         }                                                                                     \
         source = work;                                                                        \
@@ -160,7 +163,8 @@ static Py_ssize_t pick_##S(const int32_t *index, const U *bits, Py_ssize_t m, Py
     return written;                                                                           \
 }                                                                                             \
                                                                                               \
-static double take_clear_##S(F *error, const int32_t *index, Py_ssize_t m, F *out) {          \
+static double take_clear_##S(F *restrict error, const int32_t *restrict index, Py_ssize_t m,    \
+                             F *restrict out) {                                               \
     double a0 = 0, a1 = 0;                                                                    \
     Py_ssize_t i = 0;                                                                         \
     for (; i + 2 <= m; i += 2) {                                                              \
@@ -176,32 +180,45 @@ static double take_clear_##S(F *error, const int32_t *index, Py_ssize_t m, F *ou
     return a0 + a1;                                                                           \
 }                                                                                             \
                                                                                               \
-static void put_##S(F *target, const int32_t *index, Py_ssize_t m, const F *values) {         \
+static void put_##S(F *restrict target, const int32_t *restrict index, Py_ssize_t m,           \
+                    const F *restrict values) {                                               \
     for (Py_ssize_t i = 0; i < m; i++) target[index[i]] = values[i];                          \
 }                                                                                             \
                                                                                               \
-/* target[i] += v for every pair, each element summed in input order as np.add.at does. A   \
+/* target = 0 if zero, then target[i] += v for every pair, each element summed in input     \
+ * order as np.add.at does; OUT_OF_RANGE (nothing written) for an index outside [0, n). A   \
  * few ascending runs (N nodes' top-k): chunk by chunk, each run's pairs in that chunk, so   \
  * the target is swept once while it is in cache. Otherwise pair by pair. */                 \
-static void accumulate_##S(F *target, Py_ssize_t n, const int32_t *index, Py_ssize_t m,       \
-                           const F *values) {                                                 \
+static status_t accumulate_##S(F *restrict target, Py_ssize_t n,                              \
+                               const int32_t *restrict index, Py_ssize_t m,                   \
+                               const F *restrict values, int zero) {                          \
     Py_ssize_t starts[MAX_RUNS + 1], runs = 0;                                                \
-    for (Py_ssize_t i = 0; i < m && runs <= MAX_RUNS; i++)                                    \
-        if (i == 0 || index[i] <= index[i - 1]) starts[runs++] = i;                           \
+    int bad = 0;                                                                              \
+    for (Py_ssize_t i = 0; i < m; i++) { /* the check and the runs in one read */             \
+        bad |= index[i] < 0 || (Py_ssize_t)index[i] >= n;                                     \
+        if (i == 0 || index[i] <= index[i - 1]) {                                             \
+            if (runs <= MAX_RUNS) starts[runs] = i;                                           \
+            runs++;                                                                           \
+        }                                                                                     \
+    }                                                                                         \
+    if (bad) return OUT_OF_RANGE;                                                             \
+    if (zero) memset(target, 0, (size_t)n * sizeof *target);                                  \
     if (runs > MAX_RUNS) {                                                                    \
         for (Py_ssize_t i = 0; i < m; i++) target[index[i]] += values[i];                     \
-        return;                                                                               \
+        return OK;                                                                            \
     }                                                                                         \
     starts[runs] = m;                                                                         \
     Py_ssize_t cursor[MAX_RUNS];                                                              \
     memcpy(cursor, starts, (size_t)runs * sizeof *cursor);                                    \
     for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {                                            \
+        const int64_t hi = (int64_t)lo + CHUNK;                                               \
         for (Py_ssize_t r = 0; r < runs; r++) {                                               \
             Py_ssize_t i = cursor[r], end = starts[r + 1];                                    \
-            for (; i < end && index[i] < lo + CHUNK; i++) target[index[i]] += values[i];      \
+            for (; i < end && index[i] < hi; i++) target[index[i]] += values[i];              \
             cursor[r] = i;                                                                    \
         }                                                                                     \
     }                                                                                         \
+    return OK;                                                                                \
 }
 
 static int avx512_known = -1;  /* a race here only repeats the same check */
@@ -262,6 +279,47 @@ static Py_ssize_t pick_avx512_f64(const int32_t *index, const uint64_t *bits, Py
     if (native_avx512()) written = pick_avx512_##S(index, bits, m, kth, &take, out, &i);
 #else
 #define AVX512_PICK(S)
+#endif
+
+/* The compaction step of the radix select: the elements whose digit at ``shift`` is
+ * ``digit``, 16 or 8 at a time; whole-vector stores stay inside the block just read (kept <=
+ * i), so ``work`` may be ``source``. Returns the count kept; *at: where it stopped. */
+#if COMMD_X86
+__attribute__((target("avx512f,popcnt")))
+static Py_ssize_t compact_avx512_f32(const uint32_t *source, Py_ssize_t length, int shift,
+                                     int digit, uint32_t *work, Py_ssize_t *at) {
+    const __m512i mask = _mm512_set1_epi32(DIGITS - 1), want = _mm512_set1_epi32(digit);
+    Py_ssize_t kept = 0, i = 0;
+    for (; i + 16 <= length; i += 16) {
+        __m512i b = _mm512_loadu_si512(source + i);
+        __m512i d = _mm512_and_si512(_mm512_srli_epi32(b, (unsigned)shift), mask);
+        __mmask16 keep = _mm512_cmpeq_epi32_mask(d, want);
+        _mm512_storeu_si512(work + kept, _mm512_maskz_compress_epi32(keep, b));
+        kept += __builtin_popcount(keep);
+    }
+    *at = i;
+    return kept;
+}
+
+__attribute__((target("avx512f,popcnt")))
+static Py_ssize_t compact_avx512_f64(const uint64_t *source, Py_ssize_t length, int shift,
+                                     int digit, uint64_t *work, Py_ssize_t *at) {
+    const __m512i mask = _mm512_set1_epi64(DIGITS - 1), want = _mm512_set1_epi64(digit);
+    Py_ssize_t kept = 0, i = 0;
+    for (; i + 8 <= length; i += 8) {
+        __m512i b = _mm512_loadu_si512(source + i);
+        __m512i d = _mm512_and_si512(_mm512_srli_epi64(b, (unsigned)shift), mask);
+        __mmask8 keep = _mm512_cmpeq_epi64_mask(d, want);
+        _mm512_storeu_si512(work + kept, _mm512_maskz_compress_epi64(keep, b));
+        kept += __builtin_popcount(keep);
+    }
+    *at = i;
+    return kept;
+}
+#define AVX512_COMPACT(S)                                                                     \
+    if (native_avx512()) kept = compact_avx512_##S(source, length, shift, digit, work, &i);
+#else
+#define AVX512_COMPACT(S)
 #endif
 
 LOOPS(f32, float, uint32_t, 0x7FFFFFFFu, 0x7F800000u, 32)
