@@ -5,18 +5,21 @@ machine hits every case alike), medians over the repeats:
 
 * ``pass``: one dense memory pass over the same buffer, ``np.multiply(buf, 1.0, out=buf)``
   (reads and writes every element once, in place);
-* ``new allreduce``: add_and_energy (which also zeroes the sum's buffer, as exchange.py does),
-  select_topk (with a TopkScratch), take_and_clear (into a preallocated values buffer), put
-  (the k values into the zeroed buffer);
+* ``new allreduce``: add_and_select (E = S + R, zeroing the sum's buffer, and the top-k of E
+  with a TopkScratch, as exchange.py runs them: in one pass where the compiled loops are
+  built), take_and_clear (into a preallocated values buffer), put (the k values into the
+  zeroed buffer);
 * ``new allgather``: the same up to take_and_clear, then accumulate_pairs of 3 nodes' blocks;
+* ``numpy allreduce`` / ``numpy allgather``: the new paths on numpy's loops (as where the
+  compiled ones are not built, or with COMMD_NATIVE=0);
 * ``old allreduce`` / ``old allgather``: np.add, select_topk_reference, the previous
   exchange.py ``_take`` (gather, np.dot energy, clear) and ``_scatter`` (zero, set) /
   zero and np.add.at.
 
 The allgather's other two nodes' blocks are prepared once, untimed; copying this node's own
-block into the receive buffers is timed in both paths. Before every timed call the residual
-and the gradient are restored from copies (untimed). The first repeat checks that new and old
-agree exactly.
+block into the receive buffers is timed in every path. Before every timed call the residual
+and the gradient are restored from copies (untimed). The first repeat checks that new, numpy
+and old agree exactly.
 
     .venv/bin/python bench/topk.py
     .venv/bin/python bench/topk.py --elements 2555623 --ratios 0.01 --repeats 15
@@ -36,11 +39,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commd.compression import kernels
+from commd.compression import kernels, native
+from commd.compression.fused import add_and_select
 from commd.compression.kernels import (
     WORKERS,
     accumulate_pairs,
-    add_and_energy,
     put,
     take_and_clear,
 )
@@ -91,8 +94,8 @@ def one_pass(case: Case) -> None:
 
 
 def new_selection(case: Case) -> tuple[np.ndarray, np.ndarray]:
-    energy = add_and_energy(case.residual, case.target, clear=True)  # as exchange.py does
-    indices = select_topk(case.residual, case.k, case.scratch)
+    energy, indices, _select_s = add_and_select(case.residual, case.target, case.k,
+                                                case.scratch, clear=True)  # as exchange.py
     values, sent = take_and_clear(case.residual, indices, case.values)
     _gain = 1.0 if energy == 0 else sent / energy
     return indices, values
@@ -135,10 +138,23 @@ def old_allgather(case: Case) -> None:
     np.add.at(case.target, case.all_indices.astype(np.intp), case.all_values)
 
 
+def on_numpy(path: Callable[[Case], None]) -> Callable[[Case], None]:
+    """``path`` with numpy's loops, compiled ones built or not."""
+    def run(case: Case) -> None:
+        was, native.enabled = native.enabled, False
+        try:
+            path(case)
+        finally:
+            native.enabled = was
+    return run
+
+
 PATHS: dict[str, Callable[[Case], None]] = {
     "pass": one_pass,
     "new allreduce": new_allreduce,
     "new allgather": new_allgather,
+    "numpy allreduce": on_numpy(new_allreduce),
+    "numpy allgather": on_numpy(new_allgather),
     "old allreduce": old_allreduce,
     "old allgather": old_allgather,
 }
@@ -152,9 +168,10 @@ def check(case: Case) -> None:
         path(case)
         results[name] = (case.target.copy(), case.residual.copy())
     for exchange in ("allreduce", "allgather"):
-        for new, old in zip(results[f"new {exchange}"], results[f"old {exchange}"],
-                            strict=True):
-            np.testing.assert_array_equal(new, old)
+        for kind in ("new", "numpy"):
+            for new, old in zip(results[f"{kind} {exchange}"], results[f"old {exchange}"],
+                                strict=True):
+                np.testing.assert_array_equal(new, old)
 
 
 def measure(case: Case, repeats: int) -> dict[str, list[float]]:
@@ -181,13 +198,13 @@ def spread(samples: list[float]) -> float:
 
 
 def report(rows: list[tuple[int, float, dict[str, list[float]]]]) -> None:
-    print("| elements | ratio | exchange | one pass ms | new ms (passes) | old ms (passes) | "
-          "speed-up | noise pass / new / old |")
-    print("|---:|---:|---|---:|---:|---:|---:|---|")
+    print("| elements | ratio | exchange | one pass ms | new ms (passes) | new on numpy ms "
+          "(passes) | old ms (passes) | speed-up | noise pass / new / numpy / old |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for elements, ratio, times in rows:
         dense = statistics.median(times["pass"])
         for exchange in ("allreduce", "allgather"):
-            kinds = ("new", "old")
+            kinds = ("new", "numpy", "old")
             ms = {kind: statistics.median(times[f"{kind} {exchange}"]) for kind in kinds}
             cells = " | ".join(f"{ms[kind] * 1e3:.1f} ({ms[kind] / dense:.1f})" for kind in kinds)
             noise = " / ".join(f"±{spread(times[name]):.0%}" for name in
@@ -227,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     split = (f"split from {threshold:,} elements over {WORKERS} threads"
              if threshold < sys.maxsize else "no split")
     print(f"# {datetime.date.today()} · {platform.machine()} · {os.cpu_count()} CPUs · "
-          f"kernels: {split} · numpy {np.__version__}")
+          f"kernels: {split} · loops: {native.describe()} · numpy {np.__version__}")
     print(f"# {' '.join(sys.argv)}\n")
     rows = []
     for elements in sizes:

@@ -97,13 +97,14 @@ def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str],
 async def test_the_next_group_is_selected_while_the_previous_is_on_the_wire(
         executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
     log: list[str] = []
-    selected = exchange.select_topk
+    selected = exchange.add_and_select
 
-    def logged(error: np.ndarray, k: int, scratch: Any = None) -> np.ndarray:
+    def logged(error: np.ndarray, update: np.ndarray, k: int, scratch: Any = None,
+               **options: Any) -> tuple[float, np.ndarray, float]:
         log.append(f"select {error.size}")
-        return selected(error, k, scratch)
+        return selected(error, update, k, scratch, **options)
 
-    monkeypatch.setattr(exchange, "select_topk", logged)
+    monkeypatch.setattr(exchange, "add_and_select", logged)
     engine = HeldEngine(log)
     pipeline, buffers, records, failures = make(executor, engine, ["allreduce"] * 3)
     buffers[0][:] = np.random.default_rng(0).standard_normal(buffers[0].size)

@@ -41,22 +41,38 @@ def test_add_energy_refuses_mismatched_buffers(loops: ModuleType) -> None:
     residual, update = floats(1000), floats(1000, 1)
     before = residual.copy()
     sums = np.empty(1)
+    plain = (0, 0, 0, None, None)  # no candidate pass
+
+    def add(*args: object) -> object:
+        return loops.add_energy(*args, *plain)
+
     with pytest.raises(ValueError, match="update"):
-        loops.add_energy(residual, floats(999), None, 0.0, True, False, sums)
+        add(residual, floats(999), None, 0.0, True, False, sums)
     with pytest.raises(ValueError, match="velocity"):
-        loops.add_energy(residual, update, floats(10), 0.9, True, False, sums)
+        add(residual, update, floats(10), 0.9, True, False, sums)
     with pytest.raises(ValueError, match="sums"):
-        loops.add_energy(residual, update, None, 0.0, True, False, np.empty(2))
-    with pytest.raises(ValueError, match="residual"):  # 1000 float32 are not float64s
-        loops.add_energy(floats(1001), floats(1001), None, 0.0, True, True, sums)
+        add(residual, update, None, 0.0, True, False, np.empty(2))
+    with pytest.raises(ValueError, match="residual"):  # 1001 float32 are not float64s
+        add(floats(1001), floats(1001), None, 0.0, True, True, sums)
     read_only = residual.copy()
     read_only.flags.writeable = False
     with pytest.raises((BufferError, ValueError, TypeError)):
-        loops.add_energy(read_only, update, None, 0.0, True, False, sums)
+        add(read_only, update, None, 0.0, True, False, sums)
     with pytest.raises((BufferError, ValueError, TypeError)):  # strided: not one block
-        loops.add_energy(floats(2000)[::2], update, None, 0.0, True, False, sums)
+        add(floats(2000)[::2], update, None, 0.0, True, False, sums)
     with pytest.raises(TypeError):
-        loops.add_energy(residual, update, None, "fast", True, False, sums)
+        add(residual, update, None, "fast", True, False, sums)
+    index, bits = np.empty(100, np.int32), np.empty(100, np.uint32)
+    for k, limit in ((0, 50), (60, 50)):
+        with pytest.raises(ValueError, match="k <= limit"):
+            loops.add_energy(residual, update, None, 0.0, True, False, sums, 0, k, limit,
+                             index, bits)
+    with pytest.raises(ValueError, match="candidate buffers"):  # limit + SLACK > 100
+        loops.add_energy(residual, update, None, 0.0, True, False, sums, 0, 10, 90, index,
+                         bits)
+    with pytest.raises(ValueError, match="bits"):
+        loops.add_energy(residual, update, None, 0.0, True, False, sums, 0, 10, 50, index,
+                         bits[:99])
     np.testing.assert_array_equal(residual, before)
     np.testing.assert_array_equal(update, floats(1000, 1))
 
@@ -73,14 +89,19 @@ def test_select_refuses_bad_sizes(loops: ModuleType) -> None:
     for bad_k, bad_limit in ((0, limit), (-3, limit), (k, k - 1)):
         with pytest.raises(ValueError, match="k <= limit"):
             loops.select(error, False, 0, bad_k, bad_limit, index, bits, work, out)
-    with pytest.raises(ValueError, match="buffers"):  # no room for the vector stores
+    with pytest.raises(ValueError, match="candidate buffers"):  # no room for vector stores
         loops.select(error, False, 0, k, limit, index[:limit], bits[:limit], work, out)
     with pytest.raises(ValueError, match="bits"):
         loops.select(error, False, 0, k, limit, index, bits[:10], work, out)
     with pytest.raises(ValueError, match="out"):
         loops.select(error, False, 0, k, limit, index, bits, work, out[:-1])
-    with pytest.raises(ValueError, match="buffers"):  # k beyond the array
+    with pytest.raises(ValueError, match="k 20 of 10"):  # k beyond the array
         loops.select(error[:10], False, 0, 20, limit, index, bits, work, np.empty(20, np.int32))
+    assert (out == -7).all()
+    # pick after a fused pass: found is the caller's word, so it is checked against the buffers
+    for found, pick_k in ((limit + 1, k), (k - 1, k), (10, 0)):
+        with pytest.raises(ValueError):
+            loops.pick(index, bits, found, pick_k, work, out, False)
     assert (out == -7).all()
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commd.compression import kernels, native
+from commd.compression import kernels
 from commd.compression.kernels import (
     accumulate_pairs,
     add_and_energy,
@@ -28,6 +28,8 @@ from commd.compression.topk import (
 )
 from commd.compression.topk import accumulate_pairs as topk_accumulate_pairs
 
+from loop_variants import loops  # noqa: F401  (autouse: every test on every loop variant)
+
 # Small chunks and samples, so that arrays of a few thousand elements take the sampled path
 # over many chunks; candidates_extra small enough that a bad sample overflows.
 SMALL = TopkTuning(sample_size=256, dense_below=0, chunk=256, candidates_extra=256)
@@ -35,23 +37,6 @@ SMALL = TopkTuning(sample_size=256, dense_below=0, chunk=256, candidates_extra=2
 RISKY = TopkTuning(sample_size=16, dense_below=0, chunk=64, spread=0.0, candidates_factor=1.0,
                    candidates_extra=8)
 DTYPES = [np.float32, np.float64]
-
-
-@pytest.fixture(autouse=True, params=["numpy", "compiled", "compiled-plain"])
-def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Every test here runs on numpy's loops and on the compiled ones, with and without
-    AVX-512 (where the CPU has it): both must give the same answers."""
-    compiled = native._compiled
-    if request.param != "numpy" and compiled is None:
-        pytest.skip("the compiled loops are not built (no C compiler at install)")
-    if request.param == "compiled-plain" and not (compiled and compiled.AVX512):
-        pytest.skip("no AVX-512 here: 'compiled' already ran the plain loops")
-    monkeypatch.setattr(native, "enabled", request.param != "numpy")
-    if compiled is not None:
-        compiled.use_avx512(request.param == "compiled")
-    yield request.param
-    if compiled is not None:
-        compiled.use_avx512(True)
 
 
 @pytest.fixture

@@ -14,7 +14,33 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "_native_loops.h"
+#include "_native_common.h"
+#include "_native_avx512.h"
+
+#define SUFFIX f32
+#define F float
+#define U uint32_t
+#define V f32v
+#define SIGN_OFF 0x7FFFFFFFu
+#define INF_BITS 0x7F800000u
+#define BITS 32
+#include "_native_typed.h"
+#undef SUFFIX
+#undef F
+#undef U
+#undef V
+#undef SIGN_OFF
+#undef INF_BITS
+#undef BITS
+
+#define SUFFIX f64
+#define F double
+#define U uint64_t
+#define V f64v
+#define SIGN_OFF 0x7FFFFFFFFFFFFFFFull
+#define INF_BITS 0x7FF0000000000000ull
+#define BITS 64
+#include "_native_typed.h"
 
 /* Indices strictly ascending and in [0, n) (else BAD_ORDER: a ValueError, as numpy's check
  * raises), checked before a kernel writes anything. */
@@ -64,86 +90,150 @@ static PyObject *index_error(status_t status, Py_ssize_t n) {
     return PyErr_Format(PyExc_IndexError, "indices must be in [0, %zd)", n);
 }
 
+/* add_energy(residual, update, velocity, momentum, clear, wide, sums, threshold, k, limit,
+ * index, bits) -> candidates found (-1: past limit), or None without ``index`` (no scan) */
 static PyObject *py_add_energy(PyObject *self, PyObject *args) {
-    PyObject *residual_o, *update_o, *velocity_o, *sums_o;
+    PyObject *residual_o, *update_o, *velocity_o, *sums_o, *index_o, *bits_o;
     double momentum;
     int clear, wide;
-    if (!PyArg_ParseTuple(args, "OOOdppO", &residual_o, &update_o, &velocity_o, &momentum,
-                          &clear, &wide, &sums_o))
+    unsigned long long threshold;
+    Py_ssize_t k, limit;
+    if (!PyArg_ParseTuple(args, "OOOdppOKnnOO", &residual_o, &update_o, &velocity_o,
+                          &momentum, &clear, &wide, &sums_o, &threshold, &k, &limit, &index_o,
+                          &bits_o))
         return NULL;
+    int scan = index_o != Py_None;
+    if (scan && (k < 1 || limit < k))
+        return PyErr_Format(PyExc_ValueError, "need 1 <= k <= limit, got %zd, %zd", k, limit);
     buffers_t b = {.held = 0};
-    Py_ssize_t size = wide ? 8 : 4, n = 0;
+    Py_ssize_t size = wide ? 8 : 4, n = 0, room = 0;
     char *residual = hold(&b, residual_o, 1, size, -1, &n, "residual");
     char *update = residual ? hold(&b, update_o, 1, size, n, NULL, "update") : NULL;
     char *velocity = NULL;
     if (update && velocity_o != Py_None)
         velocity = hold(&b, velocity_o, 1, size, n, NULL, "velocity");
-    double *sums = (update && (velocity || velocity_o == Py_None))
-        ? (double *)hold(&b, sums_o, 1, 8, (n + CHUNK - 1) / CHUNK, NULL, "sums") : NULL;
-    if (!sums) { release(&b); return NULL; }
+    char *sums = (update && (velocity || velocity_o == Py_None))
+        ? hold(&b, sums_o, 1, 8, (n + CHUNK - 1) / CHUNK, NULL, "sums") : NULL;
+    char *index = sums && scan ? hold(&b, index_o, 1, 4, -1, &room, "index") : NULL;
+    char *bits = index ? hold(&b, bits_o, 1, size, room, NULL, "bits") : NULL;
+    if (bits && (room < limit + SLACK || n > INT32_MAX || k > n)) {
+        PyErr_Format(PyExc_ValueError, "add_energy: candidate buffers of %zd for limit %zd, "
+                     "k %zd of %zd", room, limit, k, n);
+        bits = NULL;
+    }
+    if (!sums || (scan && !bits)) { release(&b); return NULL; }
+    found_t_f32 f32 = {(uint32_t)threshold, k, limit, 0, 0, (int32_t *)index, (uint32_t *)bits};
+    found_t_f64 f64 = {(uint64_t)threshold, k, limit, 0, 0, (int32_t *)index, (uint64_t *)bits};
     Py_BEGIN_ALLOW_THREADS
     if (wide)
         add_energy_f64((double *)residual, (double *)update, (double *)velocity, momentum,
-                       clear, n, sums);
+                       clear, n, (double *)sums, scan ? &f64 : NULL);
     else
         add_energy_f32((float *)residual, (float *)update, (float *)velocity,
-                       (float)momentum, clear, n, sums);
+                       (float)momentum, clear, n, (double *)sums, scan ? &f32 : NULL);
     Py_END_ALLOW_THREADS
     release(&b);
-    Py_RETURN_NONE;
+    if (!scan) Py_RETURN_NONE;
+    return PyLong_FromSsize_t(wide ? f64.count : f32.count);
+}
+
+/* The k largest of ``found`` candidates into out; -1 without memory for the histogram. */
+static Py_ssize_t pick_any(int wide, char *index, char *bits, Py_ssize_t found, Py_ssize_t k,
+                           char *work, char *out) {
+    uint32_t *hist = malloc(DIGITS * sizeof *hist);
+    if (!hist) return -1;
+    Py_ssize_t written = wide
+        ? pick_f64((int32_t *)index, (uint64_t *)bits, found, k, (uint64_t *)work, hist,
+                   (int32_t *)out)
+        : pick_f32((int32_t *)index, (uint32_t *)bits, found, k, (uint32_t *)work, hist,
+                   (int32_t *)out);
+    free(hist);
+    return written;
+}
+
+static PyObject *picked(Py_ssize_t written, Py_ssize_t k, Py_ssize_t found) {
+    if (written < 0) return PyErr_NoMemory();
+    if (written != k)  /* cannot happen: the radix select counts exactly */
+        return PyErr_Format(PyExc_RuntimeError, "pick wrote %zd of %zd", written, k);
+    return PyLong_FromSsize_t(found);
+}
+
+/* The candidate buffers (index, bits, work) and out, checked against limit and k. */
+static int hold_candidates(buffers_t *b, PyObject *const objects[4], Py_ssize_t size,
+                           Py_ssize_t limit, Py_ssize_t k, char *held[4]) {
+    Py_ssize_t room = 0, spare = 0;
+    held[0] = hold(b, objects[0], 1, 4, -1, &room, "index");
+    held[1] = held[0] ? hold(b, objects[1], 1, size, room, NULL, "bits") : NULL;
+    held[2] = held[1] ? hold(b, objects[2], 1, size, -1, &spare, "work") : NULL;
+    held[3] = held[2] ? hold(b, objects[3], 1, 4, k, NULL, "out") : NULL;
+    if (held[3] && (room < limit + SLACK || spare < limit)) {
+        PyErr_Format(PyExc_ValueError, "candidate buffers of %zd and %zd for limit %zd", room,
+                     spare, limit);
+        return 0;
+    }
+    return held[3] != NULL;
 }
 
 /* select(error, wide, threshold, k, limit, index, bits, work, out) -> candidates found
- * (-1: more than limit; fewer than k: ``out`` untouched). */
+ * (-1: more than limit; fewer than k: ``out`` untouched) */
 static PyObject *py_select(PyObject *self, PyObject *args) {
-    PyObject *error_o, *index_o, *bits_o, *work_o, *out_o;
+    PyObject *error_o, *objects[4];
     int wide;
     unsigned long long threshold;
     Py_ssize_t k, limit;
     if (!PyArg_ParseTuple(args, "OpKnnOOOO", &error_o, &wide, &threshold, &k, &limit,
-                          &index_o, &bits_o, &work_o, &out_o))
+                          &objects[0], &objects[1], &objects[2], &objects[3]))
         return NULL;
     if (k < 1 || limit < k)
         return PyErr_Format(PyExc_ValueError, "need 1 <= k <= limit, got %zd, %zd", k, limit);
     buffers_t b = {.held = 0};
-    Py_ssize_t size = wide ? 8 : 4, n = 0, room = 0, spare = 0;
+    Py_ssize_t size = wide ? 8 : 4, n = 0;
+    char *held[4] = {NULL, NULL, NULL, NULL};
     char *error = hold(&b, error_o, 0, size, -1, &n, "error");
-    char *index = error ? hold(&b, index_o, 1, 4, -1, &room, "index") : NULL;
-    char *bits = index ? hold(&b, bits_o, 1, size, room, NULL, "bits") : NULL;
-    char *work = bits ? hold(&b, work_o, 1, size, -1, &spare, "work") : NULL;
-    char *out = work ? hold(&b, out_o, 1, 4, k, NULL, "out") : NULL;
-    if (out && (room < limit + SLACK || spare < limit || n > INT32_MAX || k > n)) {
-        PyErr_Format(PyExc_ValueError, "select: buffers of %zd and %zd for limit %zd, "
-                     "k %zd of %zd", room, spare, limit, k, n);
-        out = NULL;
+    int ok = error && hold_candidates(&b, objects, size, limit, k, held);
+    if (ok && (n > INT32_MAX || k > n)) {
+        PyErr_Format(PyExc_ValueError, "select: k %zd of %zd elements", k, n);
+        ok = 0;
     }
-    uint32_t *hist = out ? malloc(DIGITS * sizeof *hist) : NULL;
-    if (!hist) {
-        if (out) PyErr_NoMemory();
+    if (!ok) { release(&b); return NULL; }
+    found_t_f32 f32 = {(uint32_t)threshold, k, limit, 0, 0, (int32_t *)held[0],
+                       (uint32_t *)held[1]};
+    found_t_f64 f64 = {(uint64_t)threshold, k, limit, 0, 0, (int32_t *)held[0],
+                       (uint64_t *)held[1]};
+    Py_ssize_t found, written = k;
+    Py_BEGIN_ALLOW_THREADS
+    if (wide) scan_f64((const double *)error, 0, n, &f64);
+    else scan_f32((const float *)error, 0, n, &f32);
+    found = wide ? f64.count : f32.count;
+    if (found >= k) written = pick_any(wide, held[0], held[1], found, k, held[2], held[3]);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    return picked(written, k, found);
+}
+
+/* pick(index, bits, found, k, work, out, wide): the k largest of the first ``found``
+ * candidates of a fused add_energy pass */
+static PyObject *py_pick(PyObject *self, PyObject *args) {
+    PyObject *objects[4];
+    Py_ssize_t found, k;
+    int wide;
+    if (!PyArg_ParseTuple(args, "OOnnOOp", &objects[0], &objects[1], &found, &k, &objects[2],
+                          &objects[3], &wide))
+        return NULL;
+    if (k < 1 || found < k)
+        return PyErr_Format(PyExc_ValueError, "need 1 <= k <= found, got %zd, %zd", k, found);
+    buffers_t b = {.held = 0};
+    char *held[4] = {NULL, NULL, NULL, NULL};
+    if (!hold_candidates(&b, objects, wide ? 8 : 4, found, k, held)) {
         release(&b);
         return NULL;
     }
-    Py_ssize_t found, written = k;
+    Py_ssize_t written;
     Py_BEGIN_ALLOW_THREADS
-    if (wide) {
-        found = scan_f64((const double *)error, n, (uint64_t)threshold, k, limit,
-                         (int32_t *)index, (uint64_t *)bits);
-        if (found >= k)
-            written = pick_f64((int32_t *)index, (uint64_t *)bits, found, k, (uint64_t *)work,
-                               hist, (int32_t *)out);
-    } else {
-        found = scan_f32((const float *)error, n, (uint32_t)threshold, k, limit,
-                         (int32_t *)index, (uint32_t *)bits);
-        if (found >= k)
-            written = pick_f32((int32_t *)index, (uint32_t *)bits, found, k, (uint32_t *)work,
-                               hist, (int32_t *)out);
-    }
+    written = pick_any(wide, held[0], held[1], found, k, held[2], held[3]);
     Py_END_ALLOW_THREADS
-    free(hist);
     release(&b);
-    if (written != k)  /* cannot happen: the radix select counts exactly */
-        return PyErr_Format(PyExc_RuntimeError, "select wrote %zd of %zd", written, k);
-    return PyLong_FromSsize_t(found);
+    return picked(written, k, found);
 }
 
 /* take_clear(error, index, out, wide) -> sum of the taken values' squares */
@@ -217,9 +307,11 @@ static PyMethodDef methods[] = {
     {"use_avx512", py_use_avx512, METH_VARARGS,
      "use_avx512(flag) -> bool: the AVX-512 loops where the CPU has them (flag), or never"},
     {"add_energy", py_add_energy, METH_VARARGS,
-     "add_energy(residual, update, velocity, momentum, clear, wide, sums)"},
+     "add_energy(residual, update, velocity, momentum, clear, wide, sums, threshold, k, limit, "
+     "index, bits) -> candidates found, or None without index"},
     {"select", py_select, METH_VARARGS,
      "select(error, wide, threshold, k, limit, index, bits, work, out) -> candidates"},
+    {"pick", py_pick, METH_VARARGS, "pick(index, bits, found, k, work, out, wide) -> found"},
     {"take_clear", py_take_clear, METH_VARARGS, "take_clear(error, index, out, wide) -> float"},
     {"scatter", py_scatter, METH_VARARGS, "scatter(target, index, values, wide, mode)"},
     {NULL, NULL, 0, NULL},

@@ -26,10 +26,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from commd.compression.fused import add_and_select
 from commd.compression.kernels import (
     accumulate_pairs,
     add_and_energy,
@@ -37,7 +39,7 @@ from commd.compression.kernels import (
     take_and_clear,
     top_energies,
 )
-from commd.compression.topk import TopkScratch, select_topk
+from commd.compression.topk import TopkScratch
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES
 
@@ -97,18 +99,15 @@ class GroupExchange:
             return timed()
         return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
 
-    async def _select(self, error: np.ndarray, k: int) -> tuple[np.ndarray, float]:
+    def _scratch(self, error: np.ndarray) -> TopkScratch:
+        """A free scratch that fits ``error`` (give it back with ``_scratches.append``)."""
         fits = [s for s in self._scratches if s.capacity >= error.size and s.dtype == error.dtype]
         if fits:
-            scratch = fits[0]
-            self._scratches.remove(scratch)
-        else:  # the largest group so far: made once, reused in later iterations
-            scratch = TopkScratch(error.size, error.dtype)
-            self._scratches = [s for s in self._scratches if s.dtype != error.dtype]
-        try:
-            return await self._timed(select_topk, error, k, scratch)
-        finally:
-            self._scratches.append(scratch)
+            self._scratches.remove(fits[0])
+            return fits[0]
+        # the largest group so far: made once, reused in later iterations
+        self._scratches = [s for s in self._scratches if s.dtype != error.dtype]
+        return TopkScratch(error.size, error.dtype)
 
     async def _error(self, target: np.ndarray, residual: np.ndarray,
                      velocity: np.ndarray | None) -> tuple[float, float]:
@@ -118,6 +117,23 @@ class GroupExchange:
         return await self._timed(add_and_energy, residual, target, True, velocity,
                                  self.momentum)
 
+    async def _error_and_select(self, target: np.ndarray, residual: np.ndarray,
+                                velocity: np.ndarray | None, k: int,
+                                cpu: CpuTimes) -> tuple[float, np.ndarray]:
+        """``_error`` and the top-k of E in one pass where the compiled loops run
+        (fused.py); the selection's own seconds go to ``cpu.select_s``, the rest to
+        ``cpu.update_s``."""
+        scratch = self._scratch(residual)
+        try:
+            fused = partial(add_and_select, clear=True, velocity=velocity,
+                            momentum=self.momentum)
+            (energy, indices, select_s), took = await self._timed(fused, residual, target, k,
+                                                                  scratch)
+        finally:
+            self._scratches.append(scratch)
+        cpu.select_s, cpu.update_s = select_s, max(0.0, took - select_s)
+        return energy, indices
+
     async def allreduce(self, target: np.ndarray, residual: np.ndarray,
                         velocity: np.ndarray | None, k: int, leader: int,
                         turn: asyncio.Future[None], issued: asyncio.Future[None],
@@ -126,13 +142,14 @@ class GroupExchange:
         below k whose gains the leader works out from its selection (``_lower_gains``)."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
-        energy, cpu.update_s = await self._error(target, residual, velocity)
         indices = np.zeros(k, dtype=np.int32)
         lower_gains: list[float] = []
         lower_s = 0.0
         if self.node_index == leader:
-            indices, cpu.select_s = await self._select(residual, k)
+            energy, indices = await self._error_and_select(target, residual, velocity, k, cpu)
             lower_gains, lower_s = await self._lower_gains(energy, lower, residual, indices)
+        else:
+            energy, cpu.update_s = await self._error(target, residual, velocity)
         try:
             waited = await _waited(turn)
             wire_s = 0.0
@@ -163,8 +180,7 @@ class GroupExchange:
         ``allreduce``."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
-        energy, cpu.update_s = await self._error(target, residual, velocity)
-        indices, cpu.select_s = await self._select(residual, k)
+        energy, indices = await self._error_and_select(target, residual, velocity, k, cpu)
         (values, sent), took = await self._timed(take_and_clear, residual, indices)
         cpu.update_s += took
         lower_gains, lower_s = await self._lower_gains(energy, lower, values)

@@ -162,7 +162,7 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
     check_update(residual, update)
     if velocity is not None:
         check_update(residual, velocity, "velocity")
-        _check_momentum(momentum)
+        check_momentum(momentum)
     loops = native.active()
     if loops is not None and native.contiguous(residual, update, velocity):
         return _add_and_energy_compiled(loops, residual, update, clear, velocity, momentum)
@@ -192,7 +192,7 @@ def _add_and_energy_compiled(loops: ModuleType, residual: np.ndarray, update: np
     def work(_part: int, lo: int, hi: int) -> None:  # lo: a multiple of chunk
         loops.add_energy(residual[lo:hi], update[lo:hi],
                          None if velocity is None else velocity[lo:hi], momentum, clear, wide,
-                         sums[lo // chunk:-(-hi // chunk)])
+                         sums[lo // chunk:-(-hi // chunk)], 0, 0, 0, None, None)
 
     run_parts(residual.size, work, chunk)
     return ordered_sum([sums.tolist()])
@@ -215,7 +215,7 @@ def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.nd
     else:
         check_update(residual, total, "total")
         check_update(residual, velocity, "velocity")
-    _check_momentum(momentum)
+    check_momentum(momentum)
     dtype = velocity.dtype.type
     keep, release = (dtype(0), dtype(1)) if release_all else (dtype(momentum),
                                                                dtype(1 - momentum))
@@ -239,7 +239,7 @@ def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.nd
     run_parts(velocity.size, work)
 
 
-def _check_momentum(momentum: float) -> None:
+def check_momentum(momentum: float) -> None:
     if not 0 <= momentum < 1:  # also refuses NaN
         raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
 

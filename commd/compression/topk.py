@@ -7,7 +7,6 @@ kernels are in ``kernels.py``). The collectives that carry the values live in ``
 from __future__ import annotations
 
 import math
-import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from commd.compression import native
-from commd.compression.costs import EXCHANGES, topk_count
+from commd.compression.costs import topk_count
 from commd.compression.kernels import (
     CHUNK,
     WORKERS,
@@ -27,6 +26,7 @@ from commd.compression.kernels import (
     check_float_buffer,
     run_parts,
 )
+from commd.compression.spec import CompressionSpec, parse_compression
 
 __all__ = [
     "DEFAULT_TUNING",
@@ -44,63 +44,6 @@ __all__ = [
 
 RATIO_RANGE = (0.001, 0.1)  # where `topk:auto` searches
 SUPPORTED_DTYPES = ("float32", "float64")
-
-_SPEC = re.compile(r"^topk:(?P<ratio>auto|[0-9.eE+-]+)(?::(?P<exchange>[a-z]+))?"
-                   r"(?::momentum=(?P<momentum>[0-9.eE+-]+))?$")
-MAX_SPEC_CHARS = 64  # longer than any valid spec: refused before the pattern runs
-
-
-@dataclass(frozen=True)
-class CompressionSpec:
-    ratio: float | None  # None: the daemon chooses (`topk:auto`)
-    exchange: str  # "allgather", "allreduce" or "auto"
-    # Momentum correction (DGC, without factor masking): the node keeps the velocity
-    # u = m·u + S and sparsifies R + u, so the optimizer must run without momentum. 0: off.
-    momentum: float = 0.0
-
-    def __str__(self) -> str:
-        ratio = "auto" if self.ratio is None else f"{self.ratio:g}"
-        momentum = f":momentum={self.momentum:g}" if self.momentum else ""
-        return f"topk:{ratio}:{self.exchange}{momentum}"
-
-
-def parse_compression(text: str) -> CompressionSpec | None:
-    """``none`` → None; ``topk:RATIO[:EXCHANGE][:momentum=M]``; ValueError naming what is
-    wrong."""
-    if text in ("", "none"):
-        return None
-    match = _SPEC.match(text.strip()) if len(text) <= MAX_SPEC_CHARS else None
-    if not match:
-        raise ValueError(
-            f"compression {text[:MAX_SPEC_CHARS]!r} is not understood; use 'none', "
-            "'topk:RATIO', 'topk:RATIO:EXCHANGE' or 'topk:auto', optionally followed by "
-            "':momentum=M' (EXCHANGE: allgather, allreduce, auto; M in [0, 1))"
-        )
-    exchange = match["exchange"] or "auto"
-    if exchange not in (*EXCHANGES, "auto"):
-        raise ValueError(f"compression exchange {exchange!r}: use allgather, allreduce or auto")
-    momentum = 0.0
-    if match["momentum"] is not None:
-        momentum = _number("momentum", match["momentum"])
-        if not 0 <= momentum < 1:
-            raise ValueError(f"compression momentum must be in [0, 1), got {momentum:g}")
-    if match["ratio"] == "auto":
-        return CompressionSpec(None, exchange, momentum)
-    ratio = _number("ratio", match["ratio"])
-    if not 0 < ratio <= 1:
-        raise ValueError(f"compression ratio must be in (0, 1], got {ratio:g}")
-    return CompressionSpec(ratio, exchange, momentum)
-
-
-def _number(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"compression {name} {text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"compression {name} must be finite, got {text!r}")
-    return value
-
 
 @dataclass(frozen=True)
 class TopkTuning:
@@ -291,14 +234,22 @@ def _sample_threshold(error: np.ndarray, k: int, limit: int, scratch: TopkScratc
     size = error.size
     count = min(tuning.sample_size, size)
     positions = scratch.sample(size, count) if scratch else sample_positions(size, count)
-    sample = _magnitude_bits(error[positions])
-    np.minimum(sample, _BITS[error.dtype][2], out=sample)  # NaN ranks as +inf
+    return threshold_of_sample(error[positions], size, k, limit, tuning)
+
+
+def threshold_of_sample(sample: np.ndarray, size: int, k: int, limit: int,
+                        tuning: TopkTuning = DEFAULT_TUNING) -> np.generic | None:
+    """The threshold of ``_sample_threshold`` from the sampled values themselves (a new
+    array: partitioned here)."""
+    count = sample.size
+    magnitude = _magnitude_bits(sample)
+    np.minimum(magnitude, _BITS[sample.dtype][2], out=magnitude)  # NaN ranks as +inf
     expected = count * k / size  # sampled elements expected at or above the k-th magnitude
     rank = math.ceil(expected + tuning.spread * math.sqrt(expected) + 1)
     if rank >= count or rank * size / count > limit:
         return None
-    sample.partition(count - rank)
-    return sample[count - rank]  # type: ignore[no-any-return]
+    magnitude.partition(count - rank)
+    return magnitude[count - rank]  # type: ignore[no-any-return]
 
 
 _Pieces = list[tuple[np.ndarray, np.ndarray]]
