@@ -91,7 +91,8 @@ MAY_IMPORT = {
     "commd.compression": {"commd.engines", "commd.plan"},
     "commd.job": {"commd.engines", "commd.compression", "commd.plan"},
     "commd.coordinator": {"commd.compression", "commd.plan"},
-    "commd.daemon": {"commd", "commd.job", "commd.coordinator", "commd.engines", "commd.plan"},
+    "commd.daemon": {"commd", "commd.job", "commd.coordinator", "commd.engines", "commd.plan",
+                     "commd.compression"},
     "commd.cli": {"commd", "commd.daemon", "commd.plan", "commd.compression", "commd.models"},
 }
 

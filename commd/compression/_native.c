@@ -236,17 +236,31 @@ static PyObject *py_pick(PyObject *self, PyObject *args) {
     return picked(written, k, found);
 }
 
+/* A writable float buffer of n items (``dense``), m int32 indices and m floats beside them
+ * (writable if asked); 0 with the error set. */
+static int hold_pairs(buffers_t *b, PyObject *dense_o, PyObject *index_o, PyObject *values_o,
+                      int values_writable, Py_ssize_t size, const char *names[2],
+                      char *held[3], Py_ssize_t *n, Py_ssize_t *m) {
+    held[0] = hold(b, dense_o, 1, size, -1, n, names[0]);
+    held[1] = held[0] ? hold(b, index_o, 0, 4, -1, m, "indices") : NULL;
+    held[2] = held[1] ? hold(b, values_o, values_writable, size, *m, NULL, names[1]) : NULL;
+    if (held[2]) return 1;
+    release(b);
+    return 0;
+}
+
 /* take_clear(error, index, out, wide) -> sum of the taken values' squares */
 static PyObject *py_take_clear(PyObject *self, PyObject *args) {
     PyObject *error_o, *index_o, *out_o;
     int wide;
     if (!PyArg_ParseTuple(args, "OOOp", &error_o, &index_o, &out_o, &wide)) return NULL;
     buffers_t b = {.held = 0};
-    Py_ssize_t size = wide ? 8 : 4, n = 0, m = 0;
-    char *error = hold(&b, error_o, 1, size, -1, &n, "error");
-    char *index = error ? hold(&b, index_o, 0, 4, -1, &m, "indices") : NULL;
-    char *out = index ? hold(&b, out_o, 1, size, m, NULL, "out") : NULL;
-    if (!out) { release(&b); return NULL; }
+    Py_ssize_t n = 0, m = 0;
+    char *held[3];
+    const char *names[2] = {"error", "out"};
+    if (!hold_pairs(&b, error_o, index_o, out_o, 1, wide ? 8 : 4, names, held, &n, &m))
+        return NULL;
+    char *error = held[0], *index = held[1], *out = held[2];
     status_t status;
     double energy = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -268,11 +282,12 @@ static PyObject *py_scatter(PyObject *self, PyObject *args) {
         return NULL;
     if (mode < 0 || mode > 2) return PyErr_Format(PyExc_ValueError, "mode %d", mode);
     buffers_t b = {.held = 0};
-    Py_ssize_t size = wide ? 8 : 4, n = 0, m = 0;
-    char *target = hold(&b, target_o, 1, size, -1, &n, "target");
-    char *index = target ? hold(&b, index_o, 0, 4, -1, &m, "indices") : NULL;
-    char *values = index ? hold(&b, values_o, 0, size, m, NULL, "values") : NULL;
-    if (!values) { release(&b); return NULL; }
+    Py_ssize_t n = 0, m = 0;
+    char *held[3];
+    const char *names[2] = {"target", "values"};
+    if (!hold_pairs(&b, target_o, index_o, values_o, 0, wide ? 8 : 4, names, held, &n, &m))
+        return NULL;
+    char *target = held[0], *index = held[1], *values = held[2];
     status_t status;
     Py_BEGIN_ALLOW_THREADS
     if (mode == 0) {
