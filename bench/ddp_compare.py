@@ -524,7 +524,7 @@ def plot(path: str, links: dict[str, dict[Variant, Outcome]], args: argparse.Nam
              f"centred {SMOOTH}-step moving average; dotted: end of the warm-up", ha="center",
              fontsize=8)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the caption is wider than one panel
     plt.close(fig)
     print(f"  loss curves: {path}")
 

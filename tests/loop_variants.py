@@ -10,10 +10,11 @@ import pytest
 from commd.compression import native
 
 
-@pytest.fixture(autouse=True, params=["numpy", "compiled", "compiled-plain"])
+@pytest.fixture(params=["numpy", "compiled", "compiled-plain"])
 def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Every test here runs on numpy's loops and on the compiled ones, with and without
-    AVX-512 (where the CPU has it): both must give the same answers."""
+    """The test runs on numpy's loops and on the compiled ones, with and without AVX-512
+    (where the CPU has it): all must give the same answers. A module imports it and marks
+    its tests with ``pytest.mark.usefixtures("loops")``."""
     compiled = native._compiled
     if request.param != "numpy" and compiled is None:
         pytest.skip("the compiled loops are not built (no C compiler at install)")

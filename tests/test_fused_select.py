@@ -11,7 +11,9 @@ from commd.compression.fused import add_and_select
 from commd.compression.kernels import add_and_energy
 from commd.compression.topk import TopkScratch, TopkTuning, select_topk
 
-from loop_variants import loops  # noqa: F401  (autouse: every test on every loop variant)
+from loop_variants import loops  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("loops")  # every test on every loop variant
 
 RISKY = TopkTuning(sample_size=16, dense_below=0, spread=0.0, candidates_factor=1.0,
                    candidates_extra=8)  # the sample misses often: both fallbacks run

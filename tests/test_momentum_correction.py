@@ -16,6 +16,7 @@ from commd.compression.topk import topk_count as k_of
 from commd.job.compressed import NodeCompression
 from commd.job.measurements import WireClock
 
+from loop_variants import loops  # noqa: F401
 from rank_worker import value
 from ranks import JobSpec, collect, start_ranks
 
@@ -50,6 +51,7 @@ def test_parse_refuses_bad_momentum(bad: str, words: str) -> None:
     assert len(str(caught.value)) < 400  # an oversized spec is not echoed whole
 
 
+@pytest.mark.usefixtures("loops")  # numpy's loops and the compiled ones
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernels_equal_plain_numpy(dtype: type) -> None:
     rng = np.random.default_rng(3)
@@ -87,6 +89,7 @@ def test_the_kernels_equal_plain_numpy(dtype: type) -> None:
         np.testing.assert_array_equal(total, want_velocity)
 
 
+@pytest.mark.usefixtures("loops")
 def test_hostile_kernel_arguments_raise_before_writing() -> None:
     residual, update = np.ones(10, np.float32), np.ones(10, np.float32)
     for momentum in (1.0, -0.5, float("nan")):

@@ -28,7 +28,9 @@ from commd.compression.topk import (
 )
 from commd.compression.topk import accumulate_pairs as topk_accumulate_pairs
 
-from loop_variants import loops  # noqa: F401  (autouse: every test on every loop variant)
+from loop_variants import loops  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("loops")  # every test on every loop variant
 
 # Small chunks and samples, so that arrays of a few thousand elements take the sampled path
 # over many chunks; candidates_extra small enough that a bad sample overflows.

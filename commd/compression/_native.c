@@ -309,6 +309,37 @@ static PyObject *py_scatter(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* momentum(total, residual, velocity, momentum, keep, release, release_all, wide) */
+static PyObject *py_momentum(PyObject *self, PyObject *args) {
+    PyObject *total_o, *residual_o, *velocity_o;
+    double momentum, keep, released;
+    int release_all, wide;
+    if (!PyArg_ParseTuple(args, "OOOdddpp", &total_o, &residual_o, &velocity_o, &momentum,
+                          &keep, &released, &release_all, &wide))
+        return NULL;
+    buffers_t b = {.held = 0};
+    Py_ssize_t size = wide ? 8 : 4, n = 0;
+    char *total = hold(&b, total_o, 1, size, -1, &n, "total");
+    char *velocity = total ? hold(&b, velocity_o, 1, size, n, NULL, "velocity") : NULL;
+    char *residual = NULL;
+    if (velocity && residual_o != Py_None)
+        residual = hold(&b, residual_o, 1, size, n, NULL, "residual");
+    if (!velocity || (residual_o != Py_None && !residual)) {
+        release(&b);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (wide)
+        momentum_f64((double *)total, (double *)residual, (double *)velocity, momentum, keep,
+                     released, release_all, n);
+    else
+        momentum_f32((float *)total, (float *)residual, (float *)velocity, (float)momentum,
+                     (float)keep, (float)released, release_all, n);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    Py_RETURN_NONE;
+}
+
 /* use_avx512(flag) -> whether it is used now: tests run the plain loops on an AVX-512 CPU */
 static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
     int flag;
@@ -326,6 +357,8 @@ static PyMethodDef methods[] = {
      "index, bits) -> candidates found, or None without index"},
     {"select", py_select, METH_VARARGS,
      "select(error, wide, threshold, k, limit, index, bits, work, out) -> candidates"},
+    {"momentum", py_momentum, METH_VARARGS,
+     "momentum(total, residual, velocity, momentum, keep, release, release_all, wide)"},
     {"pick", py_pick, METH_VARARGS, "pick(index, bits, found, k, work, out, wide) -> found"},
     {"take_clear", py_take_clear, METH_VARARGS, "take_clear(error, index, out, wide) -> float"},
     {"scatter", py_scatter, METH_VARARGS, "scatter(target, index, values, wide, mode)"},

@@ -220,6 +220,51 @@ static status_t NAME(accumulate)(F *restrict target, Py_ssize_t n,
     return OK;
 }
 
+/* A dense round of a momentum-corrected job (kernels.add_momentum): velocity = m·velocity +
+ * total, then total = residual·release + velocity and residual = residual·keep (0 if
+ * release_all), or total = velocity without a residual; numpy's operations, in its order. */
+CLONES static void NAME(momentum)(F *restrict total, F *restrict residual,
+                                  F *restrict velocity, F momentum, F keep, F release,
+                                  int release_all, Py_ssize_t n) {
+    enum { L = sizeof(V) / sizeof(F) };
+    V m = {0}, kept = {0}, released = {0};
+    m += momentum;
+    kept += keep;
+    released += release;
+    Py_ssize_t i = 0;
+    for (; i + L <= n; i += L) {
+        V v, t;
+        memcpy(&v, velocity + i, sizeof v);
+        memcpy(&t, total + i, sizeof t);
+        v = m * v;
+        v = v + t;
+        memcpy(velocity + i, &v, sizeof v);
+        if (residual) {
+            V h;
+            memcpy(&h, residual + i, sizeof h);
+            t = h * released;
+            t = t + v;
+            h = release_all ? (V){0} : h * kept;
+            memcpy(residual + i, &h, sizeof h);
+        } else {
+            t = v;
+        }
+        memcpy(total + i, &t, sizeof t);
+    }
+    for (; i < n; i++) {
+        F v = momentum * velocity[i];
+        v = v + total[i];
+        velocity[i] = v;
+        if (residual) {
+            F t = residual[i] * release;
+            total[i] = t + v;
+            residual[i] = release_all ? 0 : residual[i] * keep;
+        } else {
+            total[i] = v;
+        }
+    }
+}
+
 #undef NAME
 #undef CAT
 #undef CAT_

@@ -219,6 +219,11 @@ def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.nd
     dtype = velocity.dtype.type
     keep, release = (dtype(0), dtype(1)) if release_all else (dtype(momentum),
                                                                dtype(1 - momentum))
+    loops = native.active()
+    if loops is not None and native.contiguous(total, residual, velocity):
+        loops.momentum(total, residual, velocity, momentum, float(keep), float(release),
+                       release_all, velocity.dtype == np.float64)
+        return
 
     def work(_part: int, lo: int, hi: int) -> None:
         for start in range(lo, hi, CHUNK):
