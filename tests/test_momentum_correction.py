@@ -10,7 +10,8 @@ import pytest
 from compression_reference import exchange
 
 from commd.compression.exchange import GroupExchange
-from commd.compression.kernels import add_and_energy, add_momentum
+from commd.compression.kernels import add_and_energy
+from commd.compression.momentum import add_momentum
 from commd.compression.topk import CompressionSpec, parse_compression
 from commd.compression.topk import topk_count as k_of
 from commd.job.compressed import NodeCompression

@@ -34,7 +34,6 @@ __all__ = [
     "WORKERS",
     "accumulate_pairs",
     "add_and_energy",
-    "add_momentum",
     "check_float_buffer",
     "check_update",
     "ordered_sum",
@@ -172,11 +171,11 @@ def add_and_energy(residual: np.ndarray, update: np.ndarray, clear: bool = False
         for start in range(lo, hi, CHUNK):
             chunk = residual[start:min(hi, start + CHUNK)]
             source = update[start:start + chunk.size]
-            added = source if velocity is None else _accelerate(
+            added = source if velocity is None else accelerate(
                 velocity[start:start + chunk.size], source, momentum)
             np.add(chunk, added, out=chunk)
             if clear:
-                _zero(source)
+                zero(source)
             sums.append(float(np.einsum("i,i->", chunk, chunk)))
         return sums
 
@@ -198,58 +197,12 @@ def _add_and_energy_compiled(loops: ModuleType, residual: np.ndarray, update: np
     return ordered_sum([sums.tolist()])
 
 
-def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.ndarray,
-                 momentum: float, release_all: bool = False) -> None:
-    """A dense group of a momentum-corrected job: velocity = m·velocity + total, then
-    total = velocity + (1 − m)·residual and residual = m·residual (m: ``momentum``).
-
-    What top-k held back (accumulated velocity) reaches the sum over the next dense rounds at
-    the rate momentum spreads a gradient, (1 − m)·m^j in round j, rather than as one lump:
-    sent at once, a few rounds' held-back velocity is one outsized step (the loss jumped at
-    every switch from compressed to dense rounds in our DDP runs). ``release_all``: the last
-    such round, total = velocity + residual and residual = 0 (the caller's rule, before m^j
-    reaches the subnormal floats, whose arithmetic is many times slower). ``residual`` None:
-    it is known to be zero, total = velocity."""
-    if residual is None:
-        check_update(velocity, total, "total", "velocity")
-    else:
-        check_update(residual, total, "total")
-        check_update(residual, velocity, "velocity")
-    check_momentum(momentum)
-    dtype = velocity.dtype.type
-    keep, release = (dtype(0), dtype(1)) if release_all else (dtype(momentum),
-                                                               dtype(1 - momentum))
-    loops = native.active()
-    if loops is not None and native.contiguous(total, residual, velocity):
-        loops.momentum(total, residual, velocity, momentum, float(keep), float(release),
-                       release_all, velocity.dtype == np.float64)
-        return
-
-    def work(_part: int, lo: int, hi: int) -> None:
-        for start in range(lo, hi, CHUNK):
-            stop = min(hi, start + CHUNK)
-            chunk = total[start:stop]
-            sped = _accelerate(velocity[start:stop], chunk, momentum)
-            if residual is None:
-                np.copyto(chunk, sped)
-                continue
-            held = residual[start:stop]
-            np.multiply(held, release, out=chunk)
-            np.add(chunk, sped, out=chunk)
-            if release_all:
-                _zero(held)
-            else:
-                np.multiply(held, keep, out=held)
-
-    run_parts(velocity.size, work)
-
-
 def check_momentum(momentum: float) -> None:
     if not 0 <= momentum < 1:  # also refuses NaN
         raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
 
 
-def _accelerate(velocity: np.ndarray, update: np.ndarray, momentum: float) -> np.ndarray:
+def accelerate(velocity: np.ndarray, update: np.ndarray, momentum: float) -> np.ndarray:
     """velocity = momentum·velocity + update, in place (in the buffers' dtype)."""
     np.multiply(velocity, velocity.dtype.type(momentum), out=velocity)
     np.add(velocity, update, out=velocity)
@@ -316,7 +269,7 @@ def top_energies(values: np.ndarray, counts: list[int]) -> list[float]:
     return [float(squares[squares.size - min(c, squares.size):].sum()) for c in counts]
 
 
-def _zero(chunk: np.ndarray) -> None:
+def zero(chunk: np.ndarray) -> None:
     if chunk.flags.c_contiguous:  # a byte fill is a memset: faster than numpy's float fill
         chunk.view(np.uint8).fill(0)
     else:
@@ -401,7 +354,7 @@ def accumulate_pairs(target: np.ndarray, indices: np.ndarray, values: np.ndarray
         for start in range(lo, hi, CHUNK):
             chunk = target[start:min(hi, start + CHUNK)]
             if not zeroed:
-                _zero(chunk)
+                zero(chunk)
             at = start // CHUNK
             for (run, run_values), edge in zip(runs, bounds, strict=True):
                 first, last = edge[at], edge[at + 1]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commd.compression.exchange import GroupExchange
-from commd.compression.kernels import add_momentum
+from commd.compression.momentum import add_momentum
 from commd.compression.topk import topk_count
 from commd.job.measurements import CommSample, IterationGains
 from commd.job.schedule import Plan
