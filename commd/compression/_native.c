@@ -74,9 +74,14 @@ static char *hold(buffers_t *b, PyObject *object, int writable, Py_ssize_t items
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(object, view, flags) < 0) return NULL;
     b->held++;
-    if (view->len % itemsize || (count >= 0 && view->len / itemsize != count)) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd items of %zd bytes",
-                     name, view->len, count, itemsize);
+    if (view->len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, not a whole number of %zd-byte items",
+                     name, view->len, itemsize);
+        return NULL;
+    }
+    if (count >= 0 && view->len / itemsize != count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd items of %zd bytes, expected %zd", name,
+                     view->len / itemsize, itemsize, count);
         return NULL;
     }
     if (found) *found = view->len / itemsize;
