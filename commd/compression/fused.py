@@ -19,17 +19,16 @@ import numpy as np
 from commd.compression import kernels, native
 from commd.compression.kernels import add_and_energy, check_update
 from commd.compression.topk import (
-    _BITS,
     _INT32_MAX,
     DEFAULT_TUNING,
-    SLACK,
     TopkScratch,
     TopkTuning,
     _check_k,
     _holding,
     _select,
     _select_dense,
-    sample_positions,
+    candidate_buffers,
+    sample_of,
     threshold_of_sample,
 )
 
@@ -52,10 +51,10 @@ def add_and_select(residual: np.ndarray, update: np.ndarray, k: int,
         raise ValueError(f"residual has {residual.size} elements; int32 indices reach 2**31")
     loops = native.active()
     size = residual.size
-    fused = (loops is not None and native.contiguous(residual, update, velocity)
-             and tuning.dense_below <= size < kernels.PARALLEL_MIN and k < size)
+    fusable = (native.contiguous(residual, update, velocity)
+               and tuning.dense_below <= size < kernels.PARALLEL_MIN and k < size)
     with _holding(scratch, residual):  # checks the scratch before anything is written
-        if loops is not None and fused:
+        if loops is not None and fusable:
             return _fused(loops, residual, update, k, scratch, clear, velocity, momentum,
                           tuning)
         energy = add_and_energy(residual, update, clear, velocity, momentum)
@@ -69,8 +68,7 @@ def _fused(loops: ModuleType, residual: np.ndarray, update: np.ndarray, k: int,
            momentum: float, tuning: TopkTuning) -> tuple[float, np.ndarray, float]:
     began = time.perf_counter()
     size, limit = residual.size, tuning.candidate_limit(k, residual.size)
-    count = min(tuning.sample_size, size)
-    positions = scratch.sample(size, count) if scratch else sample_positions(size, count)
+    positions = sample_of(size, tuning, scratch)
     threshold = threshold_of_sample(_error_at(positions, residual, update, velocity, momentum),
                                     size, k, limit, tuning)
     sample_s = time.perf_counter() - began
@@ -80,12 +78,7 @@ def _fused(loops: ModuleType, residual: np.ndarray, update: np.ndarray, k: int,
         chosen = _select(residual, k, scratch, tuning)
         return energy, chosen, sample_s + time.perf_counter() - began
     wide = residual.dtype == np.float64
-    if scratch is not None:
-        index, bits, work = scratch.candidates(limit + SLACK)
-    else:
-        kind = _BITS[residual.dtype][0]
-        index, bits, work = (np.empty(limit + SLACK, np.int32), np.empty(limit + SLACK, kind),
-                             np.empty(limit + SLACK, kind))
+    index, bits, work = candidate_buffers(residual.dtype, limit, scratch)
     sums = np.empty(-(-size // loops.CHUNK))
     found = loops.add_energy(residual, update, velocity, momentum, clear, wide, sums,
                              int(threshold), k, limit, index, bits)

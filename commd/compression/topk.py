@@ -204,13 +204,7 @@ def _select_compiled(loops: ModuleType, error: np.ndarray, k: int, threshold: np
     """The candidate pass and the exact selection among the candidates in one compiled call
     (a radix select on the magnitude bits, no partition); the full path if the sample
     missed."""
-    room = limit + SLACK  # the compiled pass stores whole vectors
-    if scratch is not None:
-        index, magnitude, work = scratch.candidates(room)
-    else:
-        bits = _BITS[error.dtype][0]
-        index, magnitude, work = (np.empty(room, np.int32), np.empty(room, bits),
-                                  np.empty(room, bits))
+    index, magnitude, work = candidate_buffers(error.dtype, limit, scratch)
     chosen = np.empty(k, np.int32)
     found = loops.select(error, error.dtype == np.float64, int(threshold), k, limit, index,
                          magnitude, work, chosen)
@@ -219,6 +213,23 @@ def _select_compiled(loops: ModuleType, error: np.ndarray, k: int, threshold: np
     if found < k:
         return "fallback-few", _select_dense(error, k)
     return "sample", chosen
+
+
+def candidate_buffers(dtype: np.dtype[Any], limit: int, scratch: TopkScratch | None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Index, magnitude-bit and work buffers for up to ``limit`` candidates of the compiled
+    pass, SLACK more for its whole-vector stores: the scratch's, or new ones."""
+    room = limit + SLACK
+    if scratch is not None:
+        return scratch.candidates(room)
+    bits = _BITS[dtype][0]
+    return np.empty(room, np.int32), np.empty(room, bits), np.empty(room, bits)
+
+
+def sample_of(size: int, tuning: TopkTuning, scratch: TopkScratch | None) -> np.ndarray:
+    """The sample's positions for an array of ``size``: the scratch's cached ones, or new."""
+    count = min(tuning.sample_size, size)
+    return scratch.sample(size, count) if scratch else sample_positions(size, count)
 
 
 def _magnitude_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -231,10 +242,8 @@ def _sample_threshold(error: np.ndarray, k: int, limit: int, scratch: TopkScratc
                       tuning: TopkTuning) -> np.generic | None:
     """Magnitude bits that about k·(1 + a few σ) elements reach, from a sample; None when
     the candidates it predicts would not fit under ``limit``."""
-    size = error.size
-    count = min(tuning.sample_size, size)
-    positions = scratch.sample(size, count) if scratch else sample_positions(size, count)
-    return threshold_of_sample(error[positions], size, k, limit, tuning)
+    positions = sample_of(error.size, tuning, scratch)
+    return threshold_of_sample(error[positions], error.size, k, limit, tuning)
 
 
 def threshold_of_sample(sample: np.ndarray, size: int, k: int, limit: int,
