@@ -11,6 +11,7 @@ from commd.coordinator.exchange_trials import (
     HYSTERESIS,
     RETRIAL_CHANGE,
     RETRIAL_ROUNDS,
+    SEARCH_GAIN,
     Candidate,
     ExchangeTrials,
 )
@@ -107,6 +108,65 @@ def test_a_choice_made_on_a_lucky_trial_is_measured_again_once() -> None:
     assert 0.070 * (1 + BEHIND) < 0.085 < 0.058 * (1 + RETRIAL_CHANGE)
     assert all(trials.observe(DENSE, 0.085) == "" for _ in range(3 * RETRIAL_ROUNDS))
     assert trials.chosen == DENSE and trials.epoch == 1
+
+
+def test_dense_wins_a_tie_compression_must_pay_off_by_more_than_noise() -> None:
+    trials = ExchangeTrials()
+    predicted = {DENSE: 0.04, AG: 0.03}
+    run_trials(trials, predicted, {DENSE: 0.050, AG: 0.050 / (1 + HYSTERESIS / 2)}, rounds=3)
+    assert trials.chosen == DENSE
+    clear = ExchangeTrials()
+    run_trials(clear, predicted, {DENSE: 0.050, AG: 0.050 / (1 + 2 * HYSTERESIS)}, rounds=3)
+    assert clear.chosen == AG
+
+
+def choose_ag_over_dense(dense_s: float) -> ExchangeTrials:
+    """Trials that chose AG (60 ms) over dense's model-plan trial (``dense_s``)."""
+    trials = ExchangeTrials()
+    run_trials(trials, {DENSE: 0.03, AG: 0.02}, {DENSE: dense_s, AG: 0.060}, rounds=3)
+    assert trials.chosen == AG
+    return trials
+
+
+def test_after_the_chosen_plan_is_searched_a_close_candidate_runs_with_that_plan() -> None:
+    """Loopback: dense's trial ran the model's 6-group plan (70 ms), AG won at 60 ms and its
+    search found one group at 50 ms; dense, measured once more planned as that search found
+    best, runs 46 ms and wins."""
+    trials = choose_ag_over_dense(0.070)
+    why = trials.replanned(AG, 0.050)
+    assert "dense (70.0 ms): measuring those again" in why and trials.chosen is None
+    assert trials.lender(DENSE) == AG and trials.lender(AG) is None
+    assert trials.observe(AG, 0.051) == ""  # the round that still ran AG's searched plan
+    candidate, why = trials.next({DENSE: 0.03, AG: 0.02})
+    assert candidate == DENSE and "planned as allgather@0.01's search" in why
+    trials.observe(DENSE, 0.046)
+    assert trials.lender(DENSE) is None
+    assert trials.next({DENSE: 0.03, AG: 0.02})[0] == DENSE and trials.chosen == DENSE
+    assert trials.reference_s == pytest.approx(0.046) and trials.epoch == 0
+
+
+def test_a_finalist_slower_with_the_searched_plan_leaves_the_choice_alone() -> None:
+    trials = choose_ag_over_dense(0.070)
+    trials.replanned(AG, 0.050)
+    trials.observe(DENSE, 0.080)  # its model plan (70 ms) stays its best measurement
+    assert trials.next({DENSE: 0.03, AG: 0.02})[0] == AG and trials.chosen == AG
+    assert trials.measured[DENSE] == pytest.approx(0.070)
+    # Once per epoch: AG's search ending again asks for nothing more.
+    assert trials.replanned(AG, 0.050) == "" and trials.chosen == AG
+
+
+def test_a_candidate_no_search_could_make_win_is_not_measured_again() -> None:
+    """1 Gbit/s: dense's trial (140 ms) is far beyond what a search takes off a step."""
+    trials = choose_ag_over_dense(0.140)
+    assert 0.060 * (1 + SEARCH_GAIN) < 0.140
+    assert trials.replanned(AG, 0.060) == "" and trials.chosen == AG
+    assert trials.lender(DENSE) is None
+
+
+def test_replanned_for_a_candidate_not_chosen_changes_nothing() -> None:
+    trials = choose_ag_over_dense(0.070)
+    assert trials.replanned(DENSE, 0.040) == "" and trials.replanned(AG, 0.0) == ""
+    assert trials.chosen == AG and trials.measured[DENSE] == pytest.approx(0.070)
 
 
 def test_non_positive_steps_are_ignored() -> None:

@@ -105,6 +105,18 @@ def test_starts_from_the_measured_alpha_and_does_nothing_when_off() -> None:
     assert off.overhead_s == 0.0
 
 
+def test_a_search_started_from_a_measured_plan_goes_up_from_there() -> None:
+    from commd.coordinator.plan_search import MAX_OVERHEAD_S
+
+    at_one_group = PlanSearch(overhead_s=MAX_OVERHEAD_S)
+    assert at_one_group.observe(contiguous(1), 0.05, 0.0, plan_for) == ""
+    assert at_one_group.done and at_one_group.overhead_s == MAX_OVERHEAD_S
+    middle = PlanSearch(overhead_s=4 * FIRST_OVERHEAD_S)
+    tried = run(middle, lambda groups: 0.05 + 0.001 * groups)
+    assert tried[0] == 4 and max(tried) == 4 and middle.done, tried  # never below its start
+    assert middle.best is not None and middle.best.groups == 1
+
+
 # --- through the replanner: rounds of reports with the measured step time ------------------
 
 
@@ -213,6 +225,49 @@ def test_a_compressed_job_searches_the_plan_of_the_compressed_candidate_it_chose
     trials = replanner.policy.trials if replanner.policy else None
     assert trials is not None and trials.epoch == 0
     assert trials.reference_s == pytest.approx(step_of("allgather", 1))
+
+
+def test_dense_measured_with_the_searched_plan_wins_back_on_loopback() -> None:
+    """Loopback, ``topk:auto``: dense's trial runs the model's many groups (68 ms) and loses
+    to ``allgather@0.1``'s (60 ms); the allgather's search finds one group at 52 ms. Dense
+    then runs a round planned as that search found best (one group, 48 ms) and wins; its own
+    search starts from there (one group: nothing above it) and ends at once."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:auto")
+
+    def step_of(kind: str, groups: int) -> float:
+        one_group = {"dense": 0.048, "allgather": 0.052}[kind]
+        return one_group if groups == 1 else one_group + 0.020 - 0.012 * (kind != "dense")
+
+    ran = drive_compressed(replanner, step_of, 24)
+    kinds = [kind for kind, _, _ in ran]
+    first_dense = kinds.index("dense")
+    assert ran[first_dense][1] > 1 and ran[first_dense][2] == "off", ran  # the model's plan
+    searched = kinds.index("allgather", first_dense)
+    assert ("allgather", 1, "measuring") in ran[searched:], ran
+    replay = kinds.index("dense", searched)
+    assert ran[replay] == ("dense", 1, "off"), ran  # the allgather's searched plan
+    assert ran[replay + 1:] == [("dense", 1, "done")] * (len(ran) - replay - 1), ran
+    policy = replanner.policy
+    assert policy is not None and policy.trials.chosen == DENSE and policy.trials.epoch == 0
+    assert replanner.search is replanner._searches[DENSE]
+
+
+def test_a_finalist_slower_on_the_searched_plan_leaves_the_compressed_choice() -> None:
+    """The same, but dense gains nothing from one group: one round of it, then the searched
+    allgather runs on, and its search is not started again."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:auto")
+
+    def step_of(kind: str, groups: int) -> float:
+        if kind == "dense":
+            return 0.068
+        return 0.052 if groups == 1 else 0.060
+
+    ran = drive_compressed(replanner, step_of, 24)
+    kinds = [kind for kind, _, _ in ran]
+    assert kinds.count("dense") == 2, ran  # the trial and the round on the searched plan
+    assert ran[-8:] == [("allgather", 1, "done")] * 8, ran
+    policy = replanner.policy
+    assert policy is not None and str(policy.trials.chosen) == "allgather@0.1"
 
 
 def test_each_chosen_candidate_has_its_own_search() -> None:

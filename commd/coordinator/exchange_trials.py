@@ -11,13 +11,20 @@ round and its measured step time decides:
    *measured step* so far. A measured step contains the compute and every cost the model
    misses, so a candidate predicted slower than that cannot win unless the model overrates
    it; those are left out (``predicted`` in status), the rest are measured.
-3. The measured fastest is chosen; the one chosen before stays while it is within
-   ``HYSTERESIS`` of it, so noise does not make the job flap.
+3. The measured fastest is chosen; dense stays while it is within ``HYSTERESIS`` of it
+   (compression costs accuracy: it must pay off by more than noise), else the one chosen
+   before does, so noise does not make the job flap.
 4. While the choice runs, its step time is watched: ``RETRIAL_ROUNDS`` rounds in a row more
    than ``RETRIAL_CHANGE`` away from its reference (what it measured when chosen, refined by
    the rounds since) — the network or the load changed — and every candidate is measured
    again. So they are, once per epoch, when it runs ``BEHIND`` slower than the runner-up's
    trial that many rounds in a row: its own trial was a lucky round.
+5. Trials run the model's plan of each candidate, and the chosen one's plan is then searched
+   (``PlanSearch``), which can take a third off its step. So when that search ends
+   (``replanned``), every other candidate whose trial measured less than ``SEARCH_GAIN``
+   above the searched step runs one more round, planned as the search found best, and the
+   choice is made again: on loopback dense's 6-group trial ran 60-80 ms where its searched
+   one or two groups run 45-55, and ``allgather@0.1`` won on the unequal comparison.
 
 Pure: no I/O, no clock; the ``Replanner`` feeds it rounds and runs what it returns.
 """
@@ -34,6 +41,10 @@ REFERENCE_WEIGHT = 0.3  # rounds within the band refine the reference step (a ru
 # The chosen candidate runs this much slower than the runner-up's trial, RETRIAL_ROUNDS
 # rounds in a row: its own trial was a lucky round. Measured again, once per epoch.
 BEHIND = 0.20
+# A candidate whose model-plan trial measured less than this much above the chosen one's
+# searched step might win with a searched plan too: the most a plan search took off a step in
+# our runs (dense on loopback: 80 → 50 ms).
+SEARCH_GAIN = 0.6
 
 
 @dataclass(frozen=True, order=True)
@@ -59,6 +70,11 @@ class ExchangeTrials:
     _behind: int = 0  # rounds in a row it ran BEHIND slower than the runner-up's trial
     _rechecked: bool = False  # this epoch already measured again for being behind
     _previous: Candidate | None = None  # the choice before this epoch's measurements
+    searched: set[Candidate] = field(default_factory=set)  # their plan search finished
+    # finalists to measure once more with the searched plan of ``_lender`` (``replanned``)
+    _replays: list[Candidate] = field(default_factory=list)
+    _replayed: set[Candidate] = field(default_factory=set)  # this epoch
+    _lender: Candidate | None = None
 
     @property
     def state(self) -> str:
@@ -70,6 +86,9 @@ class ExchangeTrials:
         if step_s <= 0:
             return ""
         if self.chosen is None or ran != self.chosen:
+            if ran in self._replays:  # the best of its model plan and the searched one
+                self._replays.remove(ran)
+                step_s = min(step_s, self.measured.get(ran, step_s))
             self.measured[ran] = step_s
             return ""
         behind = self._behind_runner_up(ran, step_s)
@@ -109,6 +128,7 @@ class ExchangeTrials:
         self._previous, self.chosen = self.chosen, None
         self._drifted = self._behind = 0
         self._rechecked = recheck  # a drift starts a fresh epoch: the check may run again
+        self._replays, self._replayed = [], set()
         self.epoch += 1
         return f"{why}: measuring the exchanges again"
 
@@ -123,24 +143,55 @@ class ExchangeTrials:
         known = {c: s for c, s in self.measured.items() if c in predicted}
         if not known:
             return ranked[0], f"measuring {ranked[0]} (predicted best)"
+        replays = [c for c in self._replays if c in predicted]
+        if replays:
+            return replays[0], f"measuring {replays[0]} again, planned as {self._lender}'s search"
         fastest = min(self.measured.values())
         pending = [c for c in ranked if c not in known
                    and (predicted[c] < fastest or c in must_measure)]
         if pending:
             return pending[0], f"measuring {pending[0]}"
-        best = min(known, key=lambda c: (known[c], c))
-        previous = self._previous
-        if previous in known and known[previous] <= known[best] * (1 + HYSTERESIS):
-            best = previous
+        best = self._best(known)
         self.chosen, self.reference_s, self._drifted = best, known[best], 0
+        self._replays, self._lender = [], None
         return best, f"{best} measured fastest ({known[best] * 1e3:.1f} ms/step)"
 
-    def replanned(self, candidate: Candidate, step_s: float) -> None:
-        """The chosen ``candidate`` runs a new plan (the plan search's) that measured
-        ``step_s``: the watch compares with that from now on."""
-        if candidate == self.chosen and step_s > 0:
-            self.measured[candidate] = self.reference_s = step_s
-            self._drifted = 0
+    def _best(self, known: Mapping[Candidate, float]) -> Candidate:
+        """The measured fastest, unless dense or else the previous choice is within
+        HYSTERESIS of it."""
+        best = min(known, key=lambda c: (known[c], c))
+        for keep in (DENSE, self._previous):
+            if keep is not None and keep in known and \
+                    known[keep] <= known[best] * (1 + HYSTERESIS):
+                return keep
+        return best
+
+    def replanned(self, candidate: Candidate, step_s: float) -> str:
+        """The chosen ``candidate``'s plan search ended on a plan that measured ``step_s``:
+        the watch compares with that from now on. Returns why other candidates are measured
+        once more with that plan ("" if none is close enough to win with it)."""
+        if candidate != self.chosen or step_s <= 0:
+            return ""
+        self.measured[candidate] = self.reference_s = step_s
+        self._drifted = 0
+        self.searched.add(candidate)
+        finalists = sorted((c for c, s in self.measured.items()
+                            if c in self.predicted  # a candidate still (not an old ratio)
+                            and c not in self.searched and c not in self._replayed
+                            and s < step_s * (1 + SEARCH_GAIN)),
+                           key=lambda c: (self.measured[c], c))
+        if not finalists:
+            return ""
+        self._replays, self._lender = finalists, candidate
+        self._replayed.update(finalists)
+        self._previous, self.chosen = candidate, None
+        names = ", ".join(f"{c} ({self.measured[c] * 1e3:.1f} ms)" for c in finalists)
+        return (f"{candidate}'s searched plan measured {step_s * 1e3:.1f} ms/step against "
+                f"the model plans of {names}: measuring those again")
+
+    def lender(self, candidate: Candidate) -> Candidate | None:
+        """Whose searched plan ``candidate`` is to be measured with (None: its own)."""
+        return self._lender if candidate in self._replays else None
 
     def table(self) -> list[tuple[str, float, float]]:
         """(candidate, predicted s, measured s or -1) for status, cheapest prediction first."""

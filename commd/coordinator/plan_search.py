@@ -14,7 +14,9 @@ merge (97 groups and 40 may both be slower than 1), and one round is noisy on a 
 machine; at most ~7 trials of one round each, once per job. Then it keeps the trial with the
 fewest groups among those within ``TIE`` of the fastest, and stops. A plan the model would
 not change is skipped without a round. While the model's own plan is one group there is
-nothing to search; the search starts when it first proposes more. Pure: no I/O, no clock.
+nothing to search; the search starts when it first proposes more. A search may start from a
+given overhead (a plan measured before, see ``Replanner._enable_search``) and goes up from
+there. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ class PlanSearch:
             # search: keep the newest one-group measurement and wait.
             self.trials = [t for t in self.trials if t.groups > 1]
             self.trials.append(Trial(MAX_OVERHEAD_S, 1, step_s))
-            return "" if len(self.trials) == 1 else self._finish()
+            waiting = len(self.trials) == 1 and self.overhead_s < MAX_OVERHEAD_S
+            return "" if waiting else self._finish()  # (started at one group: nothing above)
         self.trials.append(Trial(self.overhead_s, len(groups), step_s))
         overhead = self._next_overhead(groups, alpha_s, plan_for)
         if overhead is None:

@@ -77,6 +77,7 @@ class Replanner:
     _network_cost: LinearCost | None = None  # compressed jobs: a, b from dense collectives
     # compressed jobs: one plan search per candidate the trials chose (``_enable_search``)
     _searches: dict[Candidate, PlanSearch] = field(default_factory=dict)
+    _overhead_in_force: float = 0.0  # the per-group overhead the plan in force was made with
 
     def __post_init__(self) -> None:
         spec = parse_compression(self.compression)
@@ -104,18 +105,21 @@ class Replanner:
         if searching and self.search.done and self.policy is not None:
             best = self.search.best
             assert best is not None and self.policy.running is not None
-            self.policy.trials.replanned(self.policy.running, best.step_s)
+            search_reason = ", ".join(x for x in (search_reason, self.policy.trials.replanned(
+                self.policy.running, best.step_s)) if x)
         reason = ", ".join(x for x in (reason, compression_reason, search_reason) if x)
         if reason:
             previous = (self.groups, self.exchanges, self.ratio)
             self.cost, self.backward_s = cost, backward
-            groups, exchanges, self.planning_cost = self._plan(cost, backward)
+            overhead = self._overhead_of(self._next)
+            groups, exchanges, self.planning_cost = self._plan(cost, backward, overhead)
             ratio = self.policy.ratio if self.policy is not None else 0.0
             forced = bool(search_reason or compression_reason)
             if (groups, exchanges, ratio) != previous and (
                     forced or self._worth_switching(groups)):
                 self.version += 1
                 self.groups, self.exchanges, self.ratio = groups, exchanges, ratio
+                self._overhead_in_force = overhead
                 if self.policy is not None:
                     self.policy.running = self._next
         assert self.cost is not None and self.planning_cost is not None
@@ -161,15 +165,25 @@ class Replanner:
         if chosen is not None and policy.running == chosen == self._next:
             if chosen not in self._searches and len(self._searches) >= MAX_SEARCHES:
                 del self._searches[next(iter(self._searches))]
-            self.search = self._searches.setdefault(chosen, PlanSearch())
+            # A finalist chosen on another's searched plan (ExchangeTrials.replanned) searches
+            # on from that plan: its model plan was measured slower in its first trial.
+            self.search = self._searches.setdefault(
+                chosen, PlanSearch(overhead_s=self._overhead_in_force))
         else:
             self.search = PlanSearch(enabled=False)
 
     def _overhead_of(self, candidate: Candidate | None) -> float:
-        """The per-group overhead ``candidate`` is planned with: its search's (0: none)."""
+        """The per-group overhead ``candidate`` is planned with: its search's, or for a
+        finalist measured again the search's of the candidate it lends its plan from
+        (``ExchangeTrials.replanned``), else 0 (the model's plan)."""
         if self.policy is None:
             return self.search.overhead_s
-        search = self._searches.get(candidate) if candidate is not None else None
+        if candidate is None:
+            return 0.0
+        search = self._searches.get(candidate)
+        lender = self.policy.trials.lender(candidate)
+        if search is None and lender is not None:
+            search = self._searches.get(lender)
         return search.overhead_s if search is not None else 0.0
 
     def _search(self, reports: Sequence[PeerProfile], cost: LinearCost,
