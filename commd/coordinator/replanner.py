@@ -151,13 +151,11 @@ class Replanner:
 
     def _enable_search(self) -> None:
         """A compressed job searches the plan of the candidate its trials chose, once a whole
-        round ran it, like a dense job: the cost model's plan for it can be much slower than
-        fewer groups. At 1 Gbit/s a job whose trial of ``allgather@0.01`` measured 74 ms on
-        one group then ran the model's 5 groups at 90–100 ms (its selections compete with the
-        backward pass for the cores); on loopback a job running dense kept a 4–8-group plan
-        ~10 % slower than the one group the search finds. Each candidate has its own search
-        (a new ratio is a new candidate); the others' rounds pause it. A forced exchange
-        searches once its ratio is settled."""
+        round ran it, like a dense job: the model's plan can be much slower than fewer groups
+        (at 1 Gbit/s ``allgather@0.01``'s 5 groups ran 90–100 ms, one group 74 ms: selections
+        compete with the backward pass for the cores). One search per candidate (a new ratio
+        is a new candidate); the others' rounds pause it. A forced exchange searches once its
+        ratio is settled."""
         policy = self.policy
         if policy is None or not self._searchable():
             return
@@ -165,8 +163,7 @@ class Replanner:
         if chosen is not None and policy.running == chosen == self._next:
             if chosen not in self._searches and len(self._searches) >= MAX_SEARCHES:
                 del self._searches[next(iter(self._searches))]
-            # A finalist chosen on another's searched plan (ExchangeTrials.replanned) searches
-            # on from that plan: its model plan was measured slower in its first trial.
+            # A finalist chosen on another's searched plan (trials.replanned) goes on from it.
             self.search = self._searches.setdefault(
                 chosen, PlanSearch(overhead_s=self._overhead_in_force))
         else:
