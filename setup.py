@@ -9,7 +9,8 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "commd.compression._native",
     ["commd/compression/_native.c"],
-    depends=[f"commd/compression/_native_{part}.h" for part in ("common", "avx512", "typed")],
+    depends=[f"commd/compression/_native_{part}.h"
+             for part in ("common", "avx512", "typed", "wire")],
     # no fused multiply-add: the same rounding as numpy's separate multiply and add
     extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off"],
     optional=True,

@@ -33,7 +33,17 @@ def exchange(node_sums: Sequence[np.ndarray], residuals: list[np.ndarray], k: in
     else:
         for node, error in enumerate(errors):
             chosen = topk(error, k)
-            np.add.at(result, chosen, error[chosen])
+            sent = error[chosen]
+            if error.dtype == np.float32 and len(errors) > 1:  # the compact wire: bfloat16
+                sent = bfloat16(sent)
+            np.add.at(result, chosen, sent)
             residuals[node] = error.copy()
-            residuals[node][chosen] = 0
+            residuals[node][chosen] = error[chosen] - sent  # what the rounding left
     return result
+
+
+def bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (to nearest, ties to even) by torch, back in float32."""
+    import torch
+
+    return torch.from_numpy(values.copy()).to(torch.bfloat16).to(torch.float32).numpy()

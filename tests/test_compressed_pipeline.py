@@ -56,13 +56,12 @@ class HeldEngine:
 
 
 class GatherEngine(HeldEngine):
-    """All-gathers as if the other node sent nothing (zeros at index 0), held like
-    all-reduces."""
+    """All-gathers as if the other node sent what this one did, held like all-reduces."""
 
     def allgather(self, out: Any, buffer: Any, dtype: str) -> asyncio.Future[float | None]:
         self.log.append(f"allgather {buffer.size}")
         out[:buffer.size] = buffer
-        out[buffer.size:] = 0
+        out[buffer.size:] = buffer
         future = self._future()
         self.held.append(future)
         return future

@@ -169,3 +169,36 @@ def test_select_float64_large_matches_the_reference(loops: ModuleType) -> None:
     data = np.random.default_rng(9).standard_normal(1_000_003)
     for k in (1, 1000, 100_000):
         np.testing.assert_array_equal(select_topk(data, k), select_topk_reference(data, k))
+
+
+def test_the_compact_wire_entry_points_refuse_bad_buffers(loops: ModuleType) -> None:
+    """pack_take and unpack (wire.py's compiled halves) called directly."""
+    error = floats(70_000)
+    indices = np.arange(0, 70_000, 100, dtype=np.int32)
+    k = indices.size
+    per = 4 * 2 + 4 * k  # two blocks of 2^16
+    before = error.copy()
+    with pytest.raises(ValueError, match=f"out: {per - 1} items of 1 bytes, expected {per}"):
+        loops.pack_take(error, indices, np.empty(per - 1, np.uint8))
+    read_only = error.copy()
+    read_only.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        loops.pack_take(read_only, indices, np.empty(per, np.uint8))
+    with pytest.raises(ValueError, match="strictly ascending"):
+        loops.pack_take(error, indices[::-1].copy(), np.empty(per, np.uint8))
+    with pytest.raises(ValueError, match="not a whole number"):
+        loops.pack_take(error.view(np.uint8)[:-1], indices, np.empty(per, np.uint8))
+    np.testing.assert_array_equal(error, before)
+    out = np.empty(per, np.uint8)
+    loops.pack_take(error, indices, out)
+    pairs = np.empty(2 * k, np.int32), np.empty(2 * k, np.float32)
+    gathered = np.concatenate([out, out])
+    assert loops.unpack(gathered, 2, 70_000, k, *pairs) == (0, 0, 0)
+    for nodes, n, count in ((0, 70_000, k), (2, -1, k), (2, 70_000, 70_001), (2, 2**31, k)):
+        with pytest.raises(ValueError, match="unpack: nodes"):
+            loops.unpack(gathered, nodes, n, count, *pairs)
+    with pytest.raises(ValueError, match="gathered"):
+        loops.unpack(gathered[:-1], 2, 70_000, k, *pairs)
+    with pytest.raises(ValueError, match="values"):
+        loops.unpack(gathered, 2, 70_000, k, pairs[0], pairs[1][:-1])
+    assert loops.unpack(gathered, 2, 69_000, k, *pairs)[0] == 2  # an index past n

@@ -345,6 +345,8 @@ static PyObject *py_momentum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#include "_native_wire.h"
+
 /* use_avx512(flag) -> whether it is used now: tests run the plain loops on an AVX-512 CPU */
 static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
     int flag;
@@ -367,6 +369,10 @@ static PyMethodDef methods[] = {
     {"pick", py_pick, METH_VARARGS, "pick(index, bits, found, k, work, out, wide) -> found"},
     {"take_clear", py_take_clear, METH_VARARGS, "take_clear(error, index, out, wide) -> float"},
     {"scatter", py_scatter, METH_VARARGS, "scatter(target, index, values, wide, mode)"},
+    {"pack_take", py_pack_take, METH_VARARGS,
+     "pack_take(error, index, out) -> float: the compact allgather buffer (wire.py)"},
+    {"unpack", py_unpack, METH_VARARGS,
+     "unpack(gathered, nodes, n, k, index, values) -> (code, node, value)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,8 +9,10 @@ gives it, only later where top-k holds it back, and the optimizer runs without m
 * ``allreduce`` (AR-compatible top-k, STAR): the iteration's leader broadcasts its top-k
   indices of |E|; every node all-reduces its E at those indices; the sums are scattered
   into a zero buffer. k values and k indices move, and the result is one dense sum.
-* ``allgather``: every node sends its own top-k values and int32 indices; every node adds
-  all received pairs into a zero buffer.
+* ``allgather``: every node sends its own top-k pairs; every node adds all received pairs
+  into a zero buffer. float32 groups send them compact (wire.py: bfloat16 values and 16-bit
+  offsets, 4 bytes a pair; the rounding's remainder stays in R), others as values and int32
+  indices.
 
 Groups are pipelined: a group's CPU work before the wire (E = S + R, the selection) runs as
 soon as its layers are ready, while earlier groups are still on the wire. Its collectives
@@ -31,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from commd.compression import wire
 from commd.compression.fused import add_and_select
 from commd.compression.kernels import (
     accumulate_pairs,
@@ -41,9 +44,11 @@ from commd.compression.kernels import (
 )
 from commd.compression.topk import TopkScratch
 from commd.engines import Engine
+from commd.engines.base import Completion
 from commd.engines.buffer_ops import INLINE_BYTES
 
 T = TypeVar("T")
+Pairs = tuple[np.ndarray, np.ndarray]  # all nodes' indices and values
 
 
 class WireSpans(Protocol):
@@ -177,32 +182,57 @@ class GroupExchange:
                         turn: asyncio.Future[None], issued: asyncio.Future[None],
                         lower: Sequence[int] = ()) -> ExchangeResult:
         """Every node's own top-k pairs, summed; ``issued`` and ``lower`` as for
-        ``allreduce``."""
+        ``allreduce``. float32 groups travel in the compact format (wire.py: 4 bytes a pair,
+        one collective), others as values and int32 indices."""
         began_group = time.perf_counter()
         cpu = CpuTimes(target.size)
         energy, indices = await self._error_and_select(target, residual, velocity, k, cpu)
-        (values, sent), took = await self._timed(take_and_clear, residual, indices)
+        packed = None
+        if self.engine is not None and residual.dtype == np.float32:
+            # the gains measure E, not its rounding: the exact values, while exploring only
+            values = residual[indices] if lower else np.empty(0, np.float32)
+            packed = np.empty(wire.packed_bytes(residual.size, k), np.uint8)
+            sent, took = await self._timed(wire.pack_take, residual, indices, packed)
+        else:
+            (values, sent), took = await self._timed(take_and_clear, residual, indices)
         cpu.update_s += took
         lower_gains, lower_s = await self._lower_gains(energy, lower, values)
         try:
             waited = await _waited(turn)
             wire_s = 0.0
-            all_values, all_indices = values, indices
+            pairs: Pairs = (indices, values)
+            received = pairs
             if self.engine is not None:
-                all_values = np.empty(k * self.nodes, dtype=values.dtype)
-                all_indices = np.empty(k * self.nodes, dtype=np.int32)
                 began = time.perf_counter()
-                wires = [self.engine.allgather(all_values, values, self.dtype),
-                         self.engine.allgather(all_indices, indices, "int32")]
+                wires, received = self._issue_allgather(packed, values, indices)
                 _set(issued)
                 await asyncio.gather(*wires)
                 wire_s = self.clock.span(began)
+                pairs = received
         finally:
             _set(issued)
-        _, took = await self._timed(accumulate_pairs, target, all_indices, all_values, True)
+        if packed is not None:  # the received buffers: decode (checked) into pairs
+            pairs = (np.empty(k * self.nodes, np.int32), np.empty(k * self.nodes, np.float32))
+            _, took = await self._timed(wire.unpack, received[0], self.nodes, residual.size,
+                                        k, *pairs)
+            cpu.update_s += took
+        _, took = await self._timed(accumulate_pairs, target, *pairs, True)
         cpu.update_s += took
         cpu.overhead_s = _rest(began_group, waited, wire_s, cpu, lower_s)
         return ExchangeResult(_gain(sent, energy), wire_s, cpu, lower_gains)
+
+    def _issue_allgather(self, packed: np.ndarray | None, values: np.ndarray,
+                         indices: np.ndarray) -> tuple[list[Completion], Pairs]:
+        """Issue the allgather's collectives: the compact buffers (``packed``; received as
+        (bytes, unused)), or the values and the int32 indices (received as pairs)."""
+        assert self.engine is not None
+        if packed is not None:
+            received = np.empty(packed.size * self.nodes, np.uint8)
+            return [self.engine.allgather(received, packed, "uint8")], (received, received)
+        all_values = np.empty(indices.size * self.nodes, dtype=values.dtype)
+        all_indices = np.empty(indices.size * self.nodes, dtype=np.int32)
+        return [self.engine.allgather(all_values, values, self.dtype),
+                self.engine.allgather(all_indices, indices, "int32")], (all_indices, all_values)
 
     async def _lower_gains(self, energy: float, counts: Sequence[int], source: np.ndarray,
                            indices: np.ndarray | None = None) -> tuple[list[float], float]:

@@ -3,7 +3,8 @@
 * α, β (per message, per byte) from the fitted ring all-reduce cost a + b·M:
   a = 2(N−1)α and b = 2(N−1)/N·β (Table I's ring model, which is what the job measures).
 * A compressed group's cost as a line in its dense bytes B (k = ratio·B/itemsize values):
-  allgather of values+indices: α·log N + (N−1)·2·4k·β;
+  allgather of the pairs: α·log N + (N−1)·4k·β for float32 (the compact wire, wire.py:
+  4 bytes a pair), α·log N + (N−1)·(itemsize + 4)·k·β otherwise;
   AR-compatible: broadcast of 4k index bytes + ring all-reduce of 4k value bytes.
 * The adaptive ratio: a Pareto front of (time, 1/gain) over ratio, one point picked by an
   achievement scalarizing function.
@@ -19,6 +20,7 @@ import numpy as np
 
 from commd.compression.costs import INDEX_BYTES, VALUE_BYTES
 from commd.compression.topk import RATIO_RANGE
+from commd.compression.wire import WIRE_BYTES_PER_ELEMENT
 from commd.plan import LinearCost
 
 ASF_WEIGHTS = (0.6, 0.4)  # time, 1/gain — the paper's weights
@@ -70,9 +72,10 @@ def compressed_cost(exchange: str, nodes: int, link: LinkCost, ratio: float,
     log_n = math.log2(nodes)
     per_dense_byte = ratio / itemsize  # k per dense byte
     if exchange == "allgather":
+        pair_bytes = WIRE_BYTES_PER_ELEMENT if itemsize == 4 else itemsize + INDEX_BYTES
         return LinearCost(
             alpha_s=link.alpha_s * log_n + cpu.per_group_s,
-            beta_s_per_byte=(nodes - 1) * (VALUE_BYTES + INDEX_BYTES) * per_dense_byte
+            beta_s_per_byte=(nodes - 1) * pair_bytes * per_dense_byte
             * link.beta_s_per_byte + cpu_per_byte,
         )
     alpha = link.alpha_s * (log_n + 2 * (nodes - 1)) + cpu.per_group_s
