@@ -9,9 +9,13 @@ machine hits every case alike), medians over the repeats:
   with a TopkScratch, as exchange.py runs them: in one pass where the compiled loops are
   built), take_and_clear (into a preallocated values buffer), put (the k values into the
   zeroed buffer);
-* ``new allgather``: the same up to take_and_clear, then accumulate_pairs of 3 nodes' blocks;
-* ``numpy allreduce`` / ``numpy allgather``: the new paths on numpy's loops (as where the
-  compiled ones are not built, or with COMMD_NATIVE=0);
+* ``new allgather``: the same up to take_and_clear, then accumulate_pairs of 3 nodes' blocks
+  (values and int32 indices: what float64 groups send);
+* ``new compact``: the allgather of float32 groups (wire.py): add_and_select, pack_take
+  (take, round to bfloat16, keep the remainder, write the node's buffer), unpack_add of 3
+  nodes' buffers (decoded as they are added);
+* ``numpy allreduce`` / ``numpy allgather`` / ``numpy compact``: the new paths on numpy's
+  loops (as where the compiled ones are not built, or with COMMD_NATIVE=0);
 * ``old allreduce`` / ``old allgather``: np.add, select_topk_reference, the previous
   exchange.py ``_take`` (gather, np.dot energy, clear) and ``_scatter`` (zero, set) /
   zero and np.add.at.
@@ -19,7 +23,7 @@ machine hits every case alike), medians over the repeats:
 The allgather's other two nodes' blocks are prepared once, untimed; copying this node's own
 block into the receive buffers is timed in every path. Before every timed call the residual
 and the gradient are restored from copies (untimed). The first repeat checks that new, numpy
-and old agree exactly.
+and old agree exactly (the compact wire rounds: new and numpy agree, old is its time only).
 
     .venv/bin/python bench/topk.py
     .venv/bin/python bench/topk.py --elements 2555623 --ratios 0.01 --repeats 15
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commd.compression import kernels, native
+from commd.compression import kernels, native, wire
 from commd.compression.fused import add_and_select
 from commd.compression.kernels import (
     WORKERS,
@@ -65,6 +69,7 @@ class Case:
     values: np.ndarray  # k values out of take_and_clear
     all_indices: np.ndarray  # the allgather's receive buffers, others' blocks filled in
     all_values: np.ndarray
+    packed: np.ndarray  # the compact allgather's receive buffer, others' buffers filled in
 
 
 def make_case(elements: int, ratio: float, seed: int) -> Case:
@@ -74,14 +79,17 @@ def make_case(elements: int, ratio: float, seed: int) -> Case:
     start = (rng.standard_normal(elements, dtype=np.float32) * 0.5).astype(np.float32)
     all_indices = np.empty(NODES * k, np.int32)
     all_values = np.empty(NODES * k, np.float32)
+    per = wire.packed_bytes(elements, k)
+    packed = np.zeros(NODES * per, np.uint8)
     for node in range(1, NODES):  # the others' top-k: k ascending unique indices each
         other = rng.standard_normal(elements, dtype=np.float32)
         chosen = select_topk(other, k)
         all_indices[node * k:(node + 1) * k] = chosen
         all_values[node * k:(node + 1) * k] = other[chosen]
+        wire.pack_take(other, chosen, packed[node * per:(node + 1) * per])
     return Case(gradient, start, start.copy(), gradient.copy(), k,
                 TopkScratch(elements, np.float32), np.empty(k, np.float32), all_indices,
-                all_values)
+                all_values, packed)
 
 
 def restore(case: Case) -> None:
@@ -111,6 +119,14 @@ def new_allgather(case: Case) -> None:
     case.all_indices[:case.k] = indices
     case.all_values[:case.k] = values
     accumulate_pairs(case.target, case.all_indices, case.all_values, zeroed=True)
+
+
+def new_compact(case: Case) -> None:
+    _energy, indices, _select_s = add_and_select(case.residual, case.target, case.k,
+                                                 case.scratch, clear=True)
+    elements = case.residual.size
+    wire.pack_take(case.residual, indices, case.packed[:wire.packed_bytes(elements, case.k)])
+    wire.unpack_add(case.target, case.packed, NODES, case.k, zeroed=True)
 
 
 def old_selection(case: Case) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +171,8 @@ PATHS: dict[str, Callable[[Case], None]] = {
     "new allgather": new_allgather,
     "numpy allreduce": on_numpy(new_allreduce),
     "numpy allgather": on_numpy(new_allgather),
+    "new compact": new_compact,
+    "numpy compact": on_numpy(new_compact),
     "old allreduce": old_allreduce,
     "old allgather": old_allgather,
 }
@@ -172,6 +190,8 @@ def check(case: Case) -> None:
             for new, old in zip(results[f"{kind} {exchange}"], results[f"old {exchange}"],
                                 strict=True):
                 np.testing.assert_array_equal(new, old)
+    for new, numpy in zip(results["new compact"], results["numpy compact"], strict=True):
+        np.testing.assert_array_equal(new, numpy)
 
 
 def measure(case: Case, repeats: int) -> dict[str, list[float]]:
@@ -203,13 +223,17 @@ def report(rows: list[tuple[int, float, dict[str, list[float]]]]) -> None:
     print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for elements, ratio, times in rows:
         dense = statistics.median(times["pass"])
-        for exchange in ("allreduce", "allgather"):
-            kinds = ("new", "numpy", "old")
-            ms = {kind: statistics.median(times[f"{kind} {exchange}"]) for kind in kinds}
-            cells = " | ".join(f"{ms[kind] * 1e3:.1f} ({ms[kind] / dense:.1f})" for kind in kinds)
+        # (row name, the paths' name, the previous code's name)
+        for label, exchange, before in (("allreduce", "allreduce", "allreduce"),
+                                        ("allgather", "allgather", "allgather"),
+                                        ("allgather, compact", "compact", "allgather")):
+            names = {"new": f"new {exchange}", "numpy": f"numpy {exchange}",
+                     "old": f"old {before}"}
+            ms = {kind: statistics.median(times[name]) for kind, name in names.items()}
+            cells = " | ".join(f"{ms[kind] * 1e3:.1f} ({ms[kind] / dense:.1f})" for kind in ms)
             noise = " / ".join(f"±{spread(times[name]):.0%}" for name in
-                               ("pass", *(f"{kind} {exchange}" for kind in kinds)))
-            print(f"| {elements:,} | {ratio:g} | {exchange} | {dense * 1e3:.1f} | {cells} | "
+                               ("pass", *names.values()))
+            print(f"| {elements:,} | {ratio:g} | {label} | {dense * 1e3:.1f} | {cells} | "
                   f"{ms['old'] / ms['new']:.1f}× | {noise} |")
 
 

@@ -14,6 +14,7 @@ from compression_reference import bfloat16, exchange, topk
 
 from commd.compression import wire
 from commd.compression.exchange import GroupExchange
+from commd.compression.kernels import accumulate_pairs
 
 from loop_variants import loops  # noqa: F401
 
@@ -119,6 +120,50 @@ def test_unpack_refuses_buffers_no_node_could_send() -> None:
         wire.unpack(gathered.view(np.int16), 2, elements, k, *pairs)
     with pytest.raises(ValueError, match="needs"):
         wire.unpack(gathered, 2, elements, k, pairs[0][:-1], pairs[1])
+
+
+@pytest.mark.parametrize("elements", [300_000, 65_536, 65_537, 20])
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_unpack_add_is_unpack_then_accumulate_bit_for_bit(elements: int, zeroed: bool) -> None:
+    """Three nodes' buffers with overlapping indices, decoded as they are added."""
+    k = min(elements, 9_000)
+    per = wire.packed_bytes(elements, k)
+    gathered = np.empty(3 * per, np.uint8)
+    for node in range(3):
+        error, indices = packed_case(elements, k, seed=node)
+        indices = np.sort(np.random.default_rng(node).choice(elements, k, replace=False))
+        wire.pack_take(error, indices.astype(np.int32), gathered[node * per:(node + 1) * per])
+    pairs = np.empty(3 * k, np.int32), np.empty(3 * k, np.float32)
+    wire.unpack(gathered, 3, elements, k, *pairs)
+    start = np.zeros(elements, np.float32) if zeroed else np.full(elements, 7.0, np.float32)
+    want, got = start.copy(), start.copy()
+    accumulate_pairs(want, *pairs, zeroed=zeroed)
+    wire.unpack_add(got, gathered, 3, k, zeroed=zeroed)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_unpack_add_writes_nothing_for_a_malformed_buffer() -> None:
+    elements = 200_000
+    gathered, k = gathered_pair(elements)
+    per = gathered.size // 2
+    target = np.full(elements, 3.0, np.float32)
+    bad_sum = gathered.copy()
+    bad_sum[per:per + 4] = np.frombuffer(np.int32(1_000).tobytes(), np.uint8)
+    with pytest.raises(wire.WireFormatError, match="node 1's block counts"):
+        wire.unpack_add(target, bad_sum, 2, k)
+    beyond = gathered.copy()
+    counts = beyond[:4 * wire.blocks(elements)].view(np.int32)
+    counts[:] = 0
+    counts[-1] = k
+    lows = beyond[counts.nbytes:counts.nbytes + 2 * k].view(np.uint16)
+    lows[:] = np.arange(k, dtype=np.uint16) + np.uint16(65_535 - k)
+    with pytest.raises(wire.WireFormatError, match="node 0 sent index"):
+        wire.unpack_add(target, beyond, 2, k)
+    with pytest.raises(wire.WireFormatError, match="expected"):
+        wire.unpack_add(target, gathered[:-4], 2, k)
+    with pytest.raises(TypeError, match="float32"):
+        wire.unpack_add(target.astype(np.float64), gathered, 2, k)
+    assert (target == 3.0).all()
 
 
 class PairEngine:

@@ -202,3 +202,16 @@ def test_the_compact_wire_entry_points_refuse_bad_buffers(loops: ModuleType) -> 
     with pytest.raises(ValueError, match="values"):
         loops.unpack(gathered, 2, 70_000, k, pairs[0], pairs[1][:-1])
     assert loops.unpack(gathered, 2, 69_000, k, *pairs)[0] == 2  # an index past n
+    target = np.zeros(70_000, np.float32)
+    assert loops.unpack_add(target, gathered, 2, k, True) == (0, 0, 0) and target.any()
+    for nodes, count in ((0, k), (2, -1), (2, 70_001)):
+        with pytest.raises(ValueError, match="unpack_add: nodes"):
+            loops.unpack_add(target, gathered, nodes, count, True)
+    with pytest.raises(ValueError, match="gathered"):
+        loops.unpack_add(target, gathered[:-1], 2, k, True)
+    fixed = target.copy()
+    fixed.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        loops.unpack_add(fixed, gathered, 2, k, True)
+    short = np.zeros(69_000, np.float32)  # two blocks still: the last one's offsets pass n
+    assert loops.unpack_add(short, gathered, 2, k, False)[0] == 2 and not short.any()

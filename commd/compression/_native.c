@@ -371,6 +371,8 @@ static PyMethodDef methods[] = {
     {"scatter", py_scatter, METH_VARARGS, "scatter(target, index, values, wide, mode)"},
     {"pack_take", py_pack_take, METH_VARARGS,
      "pack_take(error, index, out) -> float: the compact allgather buffer (wire.py)"},
+    {"unpack_add", py_unpack_add, METH_VARARGS,
+     "unpack_add(target, gathered, nodes, k, zeroed) -> (code, node, value)"},
     {"unpack", py_unpack, METH_VARARGS,
      "unpack(gathered, nodes, n, k, index, values) -> (code, node, value)"},
     {NULL, NULL, 0, NULL},

@@ -94,6 +94,65 @@ static wire_status_t unpack_pairs(const char *gathered, Py_ssize_t nodes, Py_ssi
     return status;
 }
 
+/* Checks every node's buffer: counts non-negative and adding up to k, the last block's
+ * offsets inside the group (the only ones that can pass n). */
+static wire_status_t check_packed(const char *gathered, Py_ssize_t nodes, Py_ssize_t per,
+                                  Py_ssize_t n, Py_ssize_t k) {
+    Py_ssize_t blocks = wire_blocks(n);
+    int64_t room = n - ((int64_t)(blocks - 1) << WIRE_BLOCK_BITS);  /* elements in the last */
+    for (Py_ssize_t node = 0; node < nodes; node++) {
+        const char *base = gathered + node * per;
+        const uint16_t *lows = (const uint16_t *)(base + 4 * blocks);
+        int64_t sum = 0;
+        int negative = 0;
+        int32_t c = 0;
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            memcpy(&c, base + 4 * b, sizeof c);
+            negative |= c < 0;
+            sum += c;
+        }
+        if (negative || sum != k) return (wire_status_t){1, node, sum};
+        for (Py_ssize_t i = k - c; i < k; i++)  /* c: the last block's count */
+            if (lows[i] >= room)
+                return (wire_status_t){2, node, ((int64_t)(blocks - 1) << WIRE_BLOCK_BITS)
+                                                    + lows[i]};
+    }
+    return (wire_status_t){0, 0, 0};
+}
+
+/* target (zeroed first unless zeroed) += every node's pairs, decoded on the fly: chunk by
+ * chunk, node after node, so each element is summed in node order, as accumulate sums the
+ * decoded pairs, while the chunk is in cache. The buffers are checked first. */
+static wire_status_t unpack_add(float *restrict target, const char *gathered,
+                                Py_ssize_t nodes, Py_ssize_t per, Py_ssize_t n, Py_ssize_t k,
+                                int zeroed) {
+    wire_status_t status = check_packed(gathered, nodes, per, n, k);
+    if (status.code) return status;
+    if (!zeroed) memset(target, 0, (size_t)n * sizeof *target);
+    Py_ssize_t blocks = wire_blocks(n);
+    enum { PER_CHUNK = CHUNK >> WIRE_BLOCK_BITS };  /* blocks per chunk */
+    Py_ssize_t *next = PyMem_RawCalloc((size_t)nodes, sizeof *next);  /* pairs read */
+    if (!next) return (wire_status_t){3, 0, 0};
+    for (Py_ssize_t first = 0; first < blocks; first += PER_CHUNK) {
+        Py_ssize_t last = first + PER_CHUNK < blocks ? first + PER_CHUNK : blocks;
+        for (Py_ssize_t node = 0; node < nodes; node++) {
+            const char *base = gathered + node * per;
+            const uint16_t *lows = (const uint16_t *)(base + 4 * blocks);
+            const uint16_t *bits = lows + k;
+            Py_ssize_t i = next[node];
+            for (Py_ssize_t b = first; b < last; b++) {
+                int32_t c;
+                memcpy(&c, base + 4 * b, sizeof c);
+                float *block = target + (b << WIRE_BLOCK_BITS);
+                for (Py_ssize_t end = i + c; i < end; i++) block[lows[i]] += from_bf16(bits[i]);
+            }
+            next[node] = i;
+        }
+    }
+    PyMem_RawFree(next);
+    return status;
+}
+
 /* pack_take(error, index, out) -> sum of squares of the taken values */
 static PyObject *py_pack_take(PyObject *self, PyObject *args) {
     PyObject *error_o, *index_o, *out_o;
@@ -140,6 +199,36 @@ static PyObject *py_unpack(PyObject *self, PyObject *args) {
     status = unpack_pairs(gathered, nodes, per, n, k, (int32_t *)index, (float *)values);
     Py_END_ALLOW_THREADS
     release(&b);
+    return Py_BuildValue("(inL)", status.code, status.node, (long long)status.value);
+}
+
+/* unpack_add(target, gathered, nodes, k, zeroed) -> (code, node, value); code 0: added */
+static PyObject *py_unpack_add(PyObject *self, PyObject *args) {
+    PyObject *target_o, *gathered_o;
+    Py_ssize_t nodes, k;
+    int zeroed;
+    if (!PyArg_ParseTuple(args, "OOnnp", &target_o, &gathered_o, &nodes, &k, &zeroed))
+        return NULL;
+    buffers_t b = {.held = 0};
+    Py_ssize_t n = 0;
+    char *target = hold(&b, target_o, 1, 4, -1, &n, "target");
+    if (target && (nodes < 1 || k < 0 || k > n || n > INT32_MAX)) {
+        release(&b);
+        return PyErr_Format(PyExc_ValueError, "unpack_add: nodes %zd, n %zd, k %zd", nodes, n,
+                            k);
+    }
+    Py_ssize_t per = 4 * wire_blocks(n) + 4 * k;
+    char *gathered = target ? hold(&b, gathered_o, 0, 1, nodes * per, NULL, "gathered") : NULL;
+    if (!gathered) {
+        release(&b);
+        return NULL;
+    }
+    wire_status_t status;
+    Py_BEGIN_ALLOW_THREADS
+    status = unpack_add((float *)target, gathered, nodes, per, n, k, zeroed);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    if (status.code == 3) return PyErr_NoMemory();
     return Py_BuildValue("(inL)", status.code, status.node, (long long)status.value);
 }
 

@@ -211,12 +211,11 @@ class GroupExchange:
                 pairs = received
         finally:
             _set(issued)
-        if packed is not None:  # the received buffers: decode (checked) into pairs
-            pairs = (np.empty(k * self.nodes, np.int32), np.empty(k * self.nodes, np.float32))
-            _, took = await self._timed(wire.unpack, received[0], self.nodes, residual.size,
-                                        k, *pairs)
-            cpu.update_s += took
-        _, took = await self._timed(accumulate_pairs, target, *pairs, True)
+        if packed is not None:  # the received buffers, checked, decoded as they are added
+            _, took = await self._timed(wire.unpack_add, target, received[0], self.nodes, k,
+                                        True)
+        else:
+            _, took = await self._timed(accumulate_pairs, target, *pairs, True)
         cpu.update_s += took
         cpu.overhead_s = _rest(began_group, waited, wire_s, cpu, lower_s)
         return ExchangeResult(_gain(sent, energy), wire_s, cpu, lower_gains)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from commd.compression import native
+from commd.compression.kernels import accumulate_pairs
 
 BLOCK_BITS = 16
 BLOCK = 1 << BLOCK_BITS
@@ -127,6 +128,29 @@ def unpack(gathered: np.ndarray, nodes: int, elements: int, k: int,
             _raise_for(2, node, int(mine.max()), elements, k)
         indices_out[node * k:(node + 1) * k] = mine
         values_out[node * k:(node + 1) * k] = from_bfloat16(bits)
+
+
+def unpack_add(target: np.ndarray, gathered: np.ndarray, nodes: int, k: int,
+               zeroed: bool = False) -> None:
+    """target = 0 (unless ``zeroed``: it is already), then every node's pairs from the
+    allgather's ``gathered`` buffer added in, node after node: what ``unpack`` and
+    ``accumulate_pairs`` give, bit for bit, without writing the decoded pairs out (the
+    compiled loops decode as they add). Nothing is written if a buffer is malformed."""
+    elements = target.size
+    per = packed_bytes(elements, k)
+    if target.dtype != np.float32:
+        raise TypeError(f"unpack_add: a float32 target, not {target.dtype}")
+    if gathered.dtype != np.uint8 or gathered.size != nodes * per:
+        raise WireFormatError(f"the gathered buffer holds {gathered.size} {gathered.dtype}, "
+                              f"expected {nodes * per} bytes ({nodes} nodes × {per})")
+    loops = native.active()
+    if loops is not None and native.contiguous(target, gathered):
+        code, node, value = loops.unpack_add(target, gathered, nodes, k, zeroed)
+        _raise_for(code, node, value, elements, k)
+        return
+    pairs = np.empty(nodes * k, np.int32), np.empty(nodes * k, np.float32)
+    unpack(gathered, nodes, elements, k, *pairs)
+    accumulate_pairs(target, *pairs, zeroed=zeroed)
 
 
 def _raise_for(code: int, node: int, value: int, elements: int, k: int) -> None:
