@@ -166,24 +166,31 @@ def test_unpack_add_writes_nothing_for_a_malformed_buffer() -> None:
     assert (target == 3.0).all()
 
 
-class PairEngine:
-    """Two GroupExchanges' allgathers, met in memory: each call waits for the other node's."""
+class Meeting:
+    """Two nodes' allgathers met in memory: each node's i-th call waits for the other's."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[Any, Any, asyncio.Future[None]]] = []
+        self.queues: list[list[tuple[np.ndarray, np.ndarray, asyncio.Future[None]]]] = [[], []]
         self.dtypes: list[str] = []
 
-    def allgather(self, out: np.ndarray, data: np.ndarray, dtype: str) -> asyncio.Future[None]:
-        self.dtypes.append(dtype)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.pending.append((out, data, future))
-        if len(self.pending) == 2:  # the same collective of both nodes: node order
-            gathered = np.concatenate([self.pending[0][1], self.pending[1][1]])
-            for target, _, done in self.pending:
-                target[:] = gathered
-                done.set_result(None)
-            self.pending = []
-        return future
+    def engine(self, node: int) -> Any:
+        meeting = self
+
+        class NodeEngine:
+            def allgather(self, out: np.ndarray, data: np.ndarray,
+                          dtype: str) -> asyncio.Future[None]:
+                meeting.dtypes.append(dtype)
+                future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                meeting.queues[node].append((out, data, future))
+                while all(meeting.queues):  # the same collective of both nodes: node order
+                    calls = [queue.pop(0) for queue in meeting.queues]
+                    gathered = np.concatenate([data for _, data, _ in calls])
+                    for target, _, done in calls:
+                        target[:] = gathered
+                        done.set_result(None)
+                return future
+
+        return NodeEngine()
 
 
 class Clock:
@@ -191,19 +198,21 @@ class Clock:
         return 0.001
 
 
-async def test_two_nodes_sum_the_rounded_pairs_and_keep_the_remainders() -> None:
-    """Two nodes' allgather through the compact wire, three iterations, against the
-    reference model (torch's rounding): bit for bit, results and residuals."""
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+async def test_two_nodes_sum_the_rounded_pairs_and_keep_the_remainders(dtype: str) -> None:
+    """Two nodes' allgather, three iterations, against the reference model: bit for bit,
+    results and residuals. float32 through the compact wire (torch's rounding in the
+    model), float64 as values and int32 indices."""
     elements, k = 150_000, 4_000
     rng = np.random.default_rng(5)
-    engines = [PairEngine(), PairEngine()]
-    shared = engines[0]
+    meeting = Meeting()
     with ThreadPoolExecutor(2) as pool:
-        nodes = [GroupExchange(shared, pool, node, 2, "float32", Clock()) for node in (0, 1)]
-        residuals = [np.zeros(elements, np.float32) for _ in nodes]
+        nodes = [GroupExchange(meeting.engine(node), pool, node, 2, dtype, Clock())
+                 for node in (0, 1)]
+        residuals = [np.zeros(elements, dtype) for _ in nodes]
         model = [r.copy() for r in residuals]
         for iteration in range(3):
-            sums = [rng.standard_normal(elements).astype(np.float32) * 1e-3 for _ in nodes]
+            sums = [rng.standard_normal(elements).astype(dtype) * 1e-3 for _ in nodes]
             want = exchange([s.copy() for s in sums], model, k, "allgather", iteration)
             loop = asyncio.get_running_loop()
             turns = [loop.create_future() for _ in nodes]
@@ -216,5 +225,6 @@ async def test_two_nodes_sum_the_rounded_pairs_and_keep_the_remainders() -> None
             for node in range(2):
                 np.testing.assert_array_equal(sums[node], want)
                 np.testing.assert_array_equal(residuals[node], model[node])
-    assert set(shared.dtypes) == {"uint8"}  # one compact collective per node and group
+    compact = dtype == "float32"  # one collective per node and group, or two
+    assert set(meeting.dtypes) == ({"uint8"} if compact else {"float64", "int32"})
     assert topk(want, 1).size == 1

@@ -200,34 +200,32 @@ class GroupExchange:
         try:
             waited = await _waited(turn)
             wire_s = 0.0
-            pairs: Pairs = (indices, values)
-            received = pairs
+            pairs: Pairs = (indices, values)  # one node: its own
+            gathered = None  # the compact buffers of every node
             if self.engine is not None:
                 began = time.perf_counter()
-                wires, received = self._issue_allgather(packed, values, indices)
+                if packed is not None:
+                    gathered = np.empty(packed.size * self.nodes, np.uint8)
+                    wires = [self.engine.allgather(gathered, packed, "uint8")]
+                else:
+                    wires, pairs = self._issue_pairs(values, indices)
                 _set(issued)
                 await asyncio.gather(*wires)
                 wire_s = self.clock.span(began)
-                pairs = received
         finally:
             _set(issued)
-        if packed is not None:  # the received buffers, checked, decoded as they are added
-            _, took = await self._timed(wire.unpack_add, target, received[0], self.nodes, k,
-                                        True)
+        if gathered is not None:  # checked, and decoded as the pairs are added
+            _, took = await self._timed(wire.unpack_add, target, gathered, self.nodes, k, True)
         else:
             _, took = await self._timed(accumulate_pairs, target, *pairs, True)
         cpu.update_s += took
         cpu.overhead_s = _rest(began_group, waited, wire_s, cpu, lower_s)
         return ExchangeResult(_gain(sent, energy), wire_s, cpu, lower_gains)
 
-    def _issue_allgather(self, packed: np.ndarray | None, values: np.ndarray,
-                         indices: np.ndarray) -> tuple[list[Completion], Pairs]:
-        """Issue the allgather's collectives: the compact buffers (``packed``; received as
-        (bytes, unused)), or the values and the int32 indices (received as pairs)."""
+    def _issue_pairs(self, values: np.ndarray,
+                     indices: np.ndarray) -> tuple[list[Completion], Pairs]:
+        """Issue the allgathers of the values and of the int32 indices (a float64 group)."""
         assert self.engine is not None
-        if packed is not None:
-            received = np.empty(packed.size * self.nodes, np.uint8)
-            return [self.engine.allgather(received, packed, "uint8")], (received, received)
         all_values = np.empty(indices.size * self.nodes, dtype=values.dtype)
         all_indices = np.empty(indices.size * self.nodes, dtype=np.int32)
         return [self.engine.allgather(all_values, values, self.dtype),
