@@ -57,43 +57,6 @@ typedef struct {
     int64_t value;  /* the counts' sum, or the index */
 } wire_status_t;
 
-/* Every node's pairs out of the gathered buffers (per bytes each), node after node. */
-static wire_status_t unpack_pairs(const char *gathered, Py_ssize_t nodes, Py_ssize_t per,
-                                  Py_ssize_t n, Py_ssize_t k, int32_t *restrict index,
-                                  float *restrict values) {
-    wire_status_t status = {0, 0, 0};
-    Py_ssize_t blocks = wire_blocks(n);
-    for (Py_ssize_t node = 0; node < nodes; node++) {
-        const char *base = gathered + node * per;
-        const uint16_t *lows = (const uint16_t *)(base + 4 * blocks);
-        const uint16_t *bits = lows + k;
-        int64_t sum = 0;
-        int negative = 0;
-        for (Py_ssize_t b = 0; b < blocks; b++) {
-            int32_t c;
-            memcpy(&c, base + 4 * b, sizeof c);
-            negative |= c < 0;
-            sum += c;
-        }
-        if (negative || sum != k) return (wire_status_t){1, node, sum};
-        int32_t *mine = index + node * k;
-        float *got = values + node * k;
-        Py_ssize_t i = 0;
-        for (Py_ssize_t b = 0; b < blocks; b++) {
-            int32_t c;
-            memcpy(&c, base + 4 * b, sizeof c);
-            int32_t start = (int32_t)(b << WIRE_BLOCK_BITS);
-            for (int32_t j = 0; j < c; j++, i++) {
-                int32_t at = start | lows[i];
-                if (at >= n) return (wire_status_t){2, node, at};
-                mine[i] = at;
-                got[i] = from_bf16(bits[i]);
-            }
-        }
-    }
-    return status;
-}
-
 /* Checks every node's buffer: counts non-negative and adding up to k, the last block's
  * offsets inside the group (the only ones that can pass n). */
 static wire_status_t check_packed(const char *gathered, Py_ssize_t nodes, Py_ssize_t per,
@@ -118,6 +81,34 @@ static wire_status_t check_packed(const char *gathered, Py_ssize_t nodes, Py_ssi
                                                     + lows[i]};
     }
     return (wire_status_t){0, 0, 0};
+}
+
+/* Every node's pairs out of the gathered buffers (per bytes each), node after node; the
+ * buffers are checked first. */
+static wire_status_t unpack_pairs(const char *gathered, Py_ssize_t nodes, Py_ssize_t per,
+                                  Py_ssize_t n, Py_ssize_t k, int32_t *restrict index,
+                                  float *restrict values) {
+    wire_status_t status = check_packed(gathered, nodes, per, n, k);
+    if (status.code) return status;
+    Py_ssize_t blocks = wire_blocks(n);
+    for (Py_ssize_t node = 0; node < nodes; node++) {
+        const char *base = gathered + node * per;
+        const uint16_t *lows = (const uint16_t *)(base + 4 * blocks);
+        const uint16_t *bits = lows + k;
+        int32_t *mine = index + node * k;
+        float *got = values + node * k;
+        Py_ssize_t i = 0;
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            int32_t c;
+            memcpy(&c, base + 4 * b, sizeof c);
+            int32_t start = (int32_t)(b << WIRE_BLOCK_BITS);
+            for (Py_ssize_t end = i + c; i < end; i++) {
+                mine[i] = start | lows[i];
+                got[i] = from_bf16(bits[i]);
+            }
+        }
+    }
+    return status;
 }
 
 /* target (zeroed first unless zeroed) += every node's pairs, decoded on the fly: chunk by
