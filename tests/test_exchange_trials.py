@@ -155,6 +155,27 @@ def test_a_finalist_slower_with_the_searched_plan_leaves_the_choice_alone() -> N
     assert trials.replanned(AG, 0.050) == "" and trials.chosen == AG
 
 
+def test_in_a_later_epoch_the_searched_best_lends_its_plan_before_it_is_chosen() -> None:
+    """AG's search is done; the network changes and everything is measured again: AG runs
+    its searched plan (100 ms), dense's trial the model's (120 ms). Dense gets a round on
+    AG's plan before AG is chosen again, and wins there (90 ms)."""
+    trials = choose_ag_over_dense(0.140)
+    trials.replanned(AG, 0.050)
+    for _ in range(RETRIAL_ROUNDS):
+        why = trials.observe(AG, 0.100)
+    assert "measuring the exchanges again" in why and trials.epoch == 1
+    predicted = {DENSE: 0.03, AG: 0.02}
+    assert trials.next(predicted)[0] == DENSE  # AG's step: the round that drifted
+    trials.observe(DENSE, 0.120)
+    assert 0.100 < 0.120 < 0.100 * (1 + SEARCH_GAIN)
+    candidate, why = trials.next(predicted)
+    assert candidate == DENSE and "planned as allgather@0.01's search" in why, why
+    assert trials.lender(DENSE) == AG and trials.chosen is None
+    trials.observe(DENSE, 0.090)
+    assert trials.next(predicted)[0] == DENSE and trials.chosen == DENSE
+    assert trials.reference_s == pytest.approx(0.090)
+
+
 def test_a_candidate_no_search_could_make_win_is_not_measured_again() -> None:
     """1 Gbit/s: dense's trial (140 ms) is far beyond what a search takes off a step."""
     trials = choose_ag_over_dense(0.140)

@@ -24,7 +24,9 @@ round and its measured step time decides:
    (``replanned``), every other candidate whose trial measured less than ``SEARCH_GAIN``
    above the searched step runs one more round, planned as the search found best, and the
    choice is made again: on loopback dense's 6-group trial ran 60-80 ms where its searched
-   one or two groups run 45-55, and ``allgather@0.1`` won on the unequal comparison.
+   one or two groups run 45-55, and ``allgather@0.1`` won on the unequal comparison. In a
+   later epoch a best candidate whose search is done has run its searched plan in its trial:
+   its close rivals get the same round before it is chosen.
 
 Pure: no I/O, no clock; the ``Replanner`` feeds it rounds and runs what it returns.
 """
@@ -152,6 +154,10 @@ class ExchangeTrials:
         if pending:
             return pending[0], f"measuring {pending[0]}"
         best = self._best(known)
+        if best in self.searched and self._replay_finalists(best, known[best]):
+            # a later epoch: the best ran its searched plan already, its rivals their models'
+            replay = self._replays[0]
+            return replay, f"measuring {replay} again, planned as {best}'s search"
         self.chosen, self.reference_s, self._drifted = best, known[best], 0
         self._replays, self._lender = [], None
         return best, f"{best} measured fastest ({known[best] * 1e3:.1f} ms/step)"
@@ -175,19 +181,27 @@ class ExchangeTrials:
         self.measured[candidate] = self.reference_s = step_s
         self._drifted = 0
         self.searched.add(candidate)
+        finalists = self._replay_finalists(candidate, step_s)
+        if not finalists:
+            return ""
+        self._previous, self.chosen = candidate, None
+        names = ", ".join(f"{c} ({self.measured[c] * 1e3:.1f} ms)" for c in finalists)
+        return (f"{candidate}'s searched plan measured {step_s * 1e3:.1f} ms/step against "
+                f"the model plans of {names}: measuring those again")
+
+    def _replay_finalists(self, lender: Candidate, step_s: float) -> list[Candidate]:
+        """The candidates (not searched, not replayed this epoch) whose model-plan step is
+        within SEARCH_GAIN of ``lender``'s searched ``step_s``, queued to run once more with
+        ``lender``'s plan; [] if none."""
         finalists = sorted((c for c, s in self.measured.items()
                             if c in self.predicted  # a candidate still (not an old ratio)
                             and c not in self.searched and c not in self._replayed
                             and s < step_s * (1 + SEARCH_GAIN)),
                            key=lambda c: (self.measured[c], c))
-        if not finalists:
-            return ""
-        self._replays, self._lender = finalists, candidate
-        self._replayed.update(finalists)
-        self._previous, self.chosen = candidate, None
-        names = ", ".join(f"{c} ({self.measured[c] * 1e3:.1f} ms)" for c in finalists)
-        return (f"{candidate}'s searched plan measured {step_s * 1e3:.1f} ms/step against "
-                f"the model plans of {names}: measuring those again")
+        if finalists:
+            self._replays, self._lender = finalists, lender
+            self._replayed.update(finalists)
+        return finalists
 
     def lender(self, candidate: Candidate) -> Candidate | None:
         """Whose searched plan ``candidate`` is to be measured with (None: its own)."""
