@@ -168,17 +168,31 @@ static PyObject *py_pack_take(PyObject *self, PyObject *args) {
     return status == OK ? PyFloat_FromDouble(energy) : index_error(status, n);
 }
 
+/* The gathered buffer of ``nodes`` compact buffers for a group of n with k selected (after
+ * checking those numbers); NULL with the error set. *per: one node's bytes. */
+static char *hold_gathered(buffers_t *b, PyObject *gathered_o, Py_ssize_t nodes, Py_ssize_t n,
+                           Py_ssize_t k, const char *who, Py_ssize_t *per) {
+    if (nodes < 1 || n < 0 || k < 0 || k > n || n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: nodes %zd, n %zd, k %zd", who, nodes, n, k);
+        return NULL;
+    }
+    *per = 4 * wire_blocks(n) + 4 * k;
+    return hold(b, gathered_o, 0, 1, nodes * *per, NULL, "gathered");
+}
+
+static PyObject *wire_result(wire_status_t status) {
+    if (status.code == 3) return PyErr_NoMemory();
+    return Py_BuildValue("(inL)", status.code, status.node, (long long)status.value);
+}
+
 /* unpack(gathered, nodes, n, k, index, values) -> (code, node, value); code 0: all read */
 static PyObject *py_unpack(PyObject *self, PyObject *args) {
     PyObject *gathered_o, *index_o, *values_o;
-    Py_ssize_t nodes, n, k;
+    Py_ssize_t nodes, n, k, per = 0;
     if (!PyArg_ParseTuple(args, "OnnnOO", &gathered_o, &nodes, &n, &k, &index_o, &values_o))
         return NULL;
-    if (nodes < 1 || n < 0 || k < 0 || k > n || n > INT32_MAX)
-        return PyErr_Format(PyExc_ValueError, "unpack: nodes %zd, n %zd, k %zd", nodes, n, k);
-    Py_ssize_t per = 4 * wire_blocks(n) + 4 * k;
     buffers_t b = {.held = 0};
-    char *gathered = hold(&b, gathered_o, 0, 1, nodes * per, NULL, "gathered");
+    char *gathered = hold_gathered(&b, gathered_o, nodes, n, k, "unpack", &per);
     char *index = gathered ? hold(&b, index_o, 1, 4, nodes * k, NULL, "indices") : NULL;
     char *values = index ? hold(&b, values_o, 1, 4, nodes * k, NULL, "values") : NULL;
     if (!values) {
@@ -190,26 +204,20 @@ static PyObject *py_unpack(PyObject *self, PyObject *args) {
     status = unpack_pairs(gathered, nodes, per, n, k, (int32_t *)index, (float *)values);
     Py_END_ALLOW_THREADS
     release(&b);
-    return Py_BuildValue("(inL)", status.code, status.node, (long long)status.value);
+    return wire_result(status);
 }
 
 /* unpack_add(target, gathered, nodes, k, zeroed) -> (code, node, value); code 0: added */
 static PyObject *py_unpack_add(PyObject *self, PyObject *args) {
     PyObject *target_o, *gathered_o;
-    Py_ssize_t nodes, k;
+    Py_ssize_t nodes, k, n = 0, per = 0;
     int zeroed;
     if (!PyArg_ParseTuple(args, "OOnnp", &target_o, &gathered_o, &nodes, &k, &zeroed))
         return NULL;
     buffers_t b = {.held = 0};
-    Py_ssize_t n = 0;
     char *target = hold(&b, target_o, 1, 4, -1, &n, "target");
-    if (target && (nodes < 1 || k < 0 || k > n || n > INT32_MAX)) {
-        release(&b);
-        return PyErr_Format(PyExc_ValueError, "unpack_add: nodes %zd, n %zd, k %zd", nodes, n,
-                            k);
-    }
-    Py_ssize_t per = 4 * wire_blocks(n) + 4 * k;
-    char *gathered = target ? hold(&b, gathered_o, 0, 1, nodes * per, NULL, "gathered") : NULL;
+    char *gathered = target ? hold_gathered(&b, gathered_o, nodes, n, k, "unpack_add", &per)
+                            : NULL;
     if (!gathered) {
         release(&b);
         return NULL;
@@ -219,8 +227,7 @@ static PyObject *py_unpack_add(PyObject *self, PyObject *args) {
     status = unpack_add((float *)target, gathered, nodes, per, n, k, zeroed);
     Py_END_ALLOW_THREADS
     release(&b);
-    if (status.code == 3) return PyErr_NoMemory();
-    return Py_BuildValue("(inL)", status.code, status.node, (long long)status.value);
+    return wire_result(status);
 }
 
 #endif

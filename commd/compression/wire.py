@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from commd.compression import native
-from commd.compression.kernels import accumulate_pairs
+from commd.compression.kernels import _check_all_ascending, accumulate_pairs
 
 BLOCK_BITS = 16
 BLOCK = 1 << BLOCK_BITS
@@ -85,8 +85,7 @@ def pack_take(error: np.ndarray, indices: np.ndarray, out: np.ndarray) -> float:
     loops = native.active()
     if loops is not None and native.contiguous(error, indices, out):
         return loops.pack_take(error, indices, out)
-    if k and (np.any(np.diff(indices) <= 0) or indices[0] < 0 or indices[-1] >= elements):
-        raise ValueError(f"indices must be strictly ascending and in [0, {elements})")
+    _check_all_ascending(indices, elements)  # take_and_clear's check, chunk by chunk
     counts, lows, bits = _views(out, elements, k)
     values = error[indices]
     counts[:] = np.bincount(indices >> BLOCK_BITS, minlength=counts.size)
@@ -103,10 +102,7 @@ def unpack(gathered: np.ndarray, nodes: int, elements: int, k: int,
     """Every node's (index, value) pairs from the allgather's ``gathered`` buffer, node after
     node, into int32 ``indices_out`` and float32 ``values_out`` (``nodes·k`` each).
     WireFormatError names the node and what is wrong with its buffer."""
-    per = packed_bytes(elements, k)
-    if gathered.dtype != np.uint8 or gathered.size != nodes * per:
-        raise WireFormatError(f"the gathered buffer holds {gathered.size} {gathered.dtype}, "
-                              f"expected {nodes * per} bytes ({nodes} nodes × {per})")
+    per = _check_gathered(gathered, nodes, elements, k)
     if indices_out.size != nodes * k or values_out.size != nodes * k:
         raise ValueError(f"unpack: {indices_out.size} indices and {values_out.size} values "
                          f"out, needs {nodes * k} each")
@@ -137,12 +133,9 @@ def unpack_add(target: np.ndarray, gathered: np.ndarray, nodes: int, k: int,
     ``accumulate_pairs`` give, bit for bit, without writing the decoded pairs out (the
     compiled loops decode as they add). Nothing is written if a buffer is malformed."""
     elements = target.size
-    per = packed_bytes(elements, k)
     if target.dtype != np.float32:
         raise TypeError(f"unpack_add: a float32 target, not {target.dtype}")
-    if gathered.dtype != np.uint8 or gathered.size != nodes * per:
-        raise WireFormatError(f"the gathered buffer holds {gathered.size} {gathered.dtype}, "
-                              f"expected {nodes * per} bytes ({nodes} nodes × {per})")
+    _check_gathered(gathered, nodes, elements, k)
     loops = native.active()
     if loops is not None and native.contiguous(target, gathered):
         code, node, value = loops.unpack_add(target, gathered, nodes, k, zeroed)
@@ -151,6 +144,15 @@ def unpack_add(target: np.ndarray, gathered: np.ndarray, nodes: int, k: int,
     pairs = np.empty(nodes * k, np.int32), np.empty(nodes * k, np.float32)
     unpack(gathered, nodes, elements, k, *pairs)
     accumulate_pairs(target, *pairs, zeroed=zeroed)
+
+
+def _check_gathered(gathered: np.ndarray, nodes: int, elements: int, k: int) -> int:
+    """The allgather's buffer: uint8, every node's ``packed_bytes``; returns those bytes."""
+    per = packed_bytes(elements, k)
+    if gathered.dtype != np.uint8 or gathered.size != nodes * per:
+        raise WireFormatError(f"the gathered buffer holds {gathered.size} {gathered.dtype}, "
+                              f"expected {nodes * per} bytes ({nodes} nodes × {per})")
+    return per
 
 
 def _raise_for(code: int, node: int, value: int, elements: int, k: int) -> None:
