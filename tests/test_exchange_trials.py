@@ -286,7 +286,13 @@ def test_topk_auto_runs_no_round_at_0_001_when_the_nodes_report_its_gain() -> No
         decision = replanner.decide([report(round_, decision.version, step, gains=gains)])
         ratios.append(decision.ratio)
     assert ratios[:2] == [0.1, 0.01] and 0.001 not in ratios, ratios[:6]
-    assert len(set(ratios[2:])) == 1 and 0.001 < ratios[-1] < 0.1, ratios[:6]
+    # Settled: the explored ratios never run again, and the ratio stays once its epoch ends
+    # (a re-solve after the first re-measuring may move it a little with the gain model).
+    assert not set(ratios[2:]) & {0.1, 0.01, 0.001}, ratios[:12]
+    assert len(set(ratios[50:])) == 1 and 0.001 < ratios[-1] < 0.1, ratios[:12]
+    # The re-solve kept the explored ratios' steps (the cost model alone, flat here, would
+    # have moved it to the largest gain, 0.069).
+    assert ratios[-1] < 1.5 * ratios[2], ratios[:12]
 
 
 def test_topk_auto_keeps_the_best_gain_when_the_ratio_costs_no_time() -> None:

@@ -189,9 +189,10 @@ class CompressionPolicy:
         return sum(line(n * self.itemsize) for n in elements)
 
     def _time_of(self, cost: LinearCost, elements: Sequence[int]) -> Callable[[float], float]:
-        """Seconds per iteration against the ratio: between the ratios measured, the
-        measured steps (interpolated over log ratio); beyond them the cost model, shifted to
-        meet the nearest measurement (the model misses the compute and what it cannot see)."""
+        """Seconds per iteration against the ratio: between the ratios measured (in this
+        epoch, else their latest step), the measured steps (interpolated over log ratio);
+        beyond them the cost model, shifted to meet the nearest measurement (the model
+        misses the compute and what it cannot see)."""
         def model(ratio: float) -> float:
             return min(self.model_s(Candidate(e, ratio), cost, elements)
                        for e in self._exchanges())
@@ -200,6 +201,13 @@ class CompressionPolicy:
         for c, step in self.trials.measured.items():
             if c.exchange != "dense":
                 fastest[c.ratio] = min(step, fastest.get(c.ratio, math.inf))
+        # Ratios not measured in this epoch keep their latest step: the cost model alone
+        # misses the compute, so a new epoch would see a flat time and pick the largest gain.
+        earlier: dict[float, float] = {}
+        for c, step in self.trials.latest.items():
+            if c.exchange != "dense" and c.ratio not in fastest:
+                earlier[c.ratio] = min(step, earlier.get(c.ratio, math.inf))
+        fastest.update(earlier)
         if not fastest:
             return model
         xs = [math.log(r) for r in sorted(fastest)]

@@ -64,6 +64,9 @@ DENSE = Candidate("dense")
 @dataclass
 class ExchangeTrials:
     measured: dict[Candidate, float] = field(default_factory=dict)  # step seconds, this epoch
+    # the latest step each candidate measured in any epoch (never cleared): `topk:auto`'s
+    # time against the ratio keeps the explored ratios' steps when an epoch starts anew
+    latest: dict[Candidate, float] = field(default_factory=dict)
     predicted: dict[Candidate, float] = field(default_factory=dict)  # seconds, the latest model
     chosen: Candidate | None = None  # None: still measuring
     reference_s: float = 0.0  # the chosen candidate's step time when it was chosen
@@ -87,6 +90,7 @@ class ExchangeTrials:
         candidate is to be measured again ("" if not)."""
         if step_s <= 0:
             return ""
+        self.latest[ran] = step_s
         if self.chosen is None or ran != self.chosen:
             if ran in self._replays:  # the best of its model plan and the searched one
                 self._replays.remove(ran)
@@ -178,7 +182,7 @@ class ExchangeTrials:
         once more with that plan ("" if none is close enough to win with it)."""
         if candidate != self.chosen or step_s <= 0:
             return ""
-        self.measured[candidate] = self.reference_s = step_s
+        self.measured[candidate] = self.latest[candidate] = self.reference_s = step_s
         self._drifted = 0
         self.searched.add(candidate)
         finalists = self._replay_finalists(candidate, step_s)

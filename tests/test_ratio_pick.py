@@ -1,0 +1,60 @@
+"""The adaptive ratio's pick on the Pareto front (commd.compression.planning.pick_ratio)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import pytest
+
+from commd.compression.planning import GainModel, fit_gain, pick_ratio
+
+# Gains top-k had on bench/ddp_compare.py's task with momentum correction (steps 30-150,
+# top-k of E over the whole model): a thousandth sends a hundredth of E, a tenth a third.
+DDP_GAINS = [(0.1, 0.36), (0.01, 0.06), (0.001, 0.01)]
+
+
+def measured(at_001: float, at_01: float) -> Callable[[float], float]:
+    """Steps measured at 0.01 and 0.1, interpolated over log ratio (flat below 0.01)."""
+    def time_of(ratio: float) -> float:
+        share = (math.log(ratio) - math.log(0.01)) / (math.log(0.1) - math.log(0.01))
+        return at_001 + (at_01 - at_001) * max(0.0, share)
+
+    return time_of
+
+
+def ddp_model() -> GainModel:
+    model = fit_gain(DDP_GAINS)
+    assert model is not None
+    return model
+
+
+def test_a_small_slowdown_buys_the_gain_of_a_large_ratio() -> None:
+    """1 Gbit/s: 0.1 measured 50 ms a step against 0.01's 37 ms, three times 0.03's gain.
+    Normalised over the front, 1/gain's scale came from 0.001 (1/gain 100) and the pick
+    sat at 0.029, where top-k cost the most loss; as a relative shortfall it is ~0.065."""
+    ratio, front = pick_ratio(measured(0.037, 0.050), ddp_model())
+    assert 0.05 <= ratio < 0.1
+    assert front and all(r1 < r2 for (r1, _, _), (r2, _, _) in itertools.pairwise(front))
+
+
+def test_a_large_slowdown_keeps_the_ratio_small() -> None:
+    """100 Mbit/s-like: 0.1 costs six times 0.01's step; the pick stays low."""
+    ratio, _ = pick_ratio(measured(0.050, 0.300), ddp_model())
+    assert 0.01 <= ratio < 0.03
+
+
+def test_when_the_ratio_costs_no_time_the_largest_gain_wins() -> None:
+    ratio, front = pick_ratio(measured(0.060, 0.060), ddp_model())
+    assert ratio == pytest.approx(0.1) and len(front) == 1
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0, 10.0])  # gains below 1: uncapped
+def test_the_pick_does_not_depend_on_the_units(scale: float) -> None:
+    """Both objectives are relative: seconds or milliseconds, any gain scale, one pick."""
+    base, _ = pick_ratio(measured(0.037, 0.050), ddp_model())
+    model = ddp_model()
+    scaled = GainModel(model.c0 + math.log(scale), model.c1)  # 1/gain times ``scale``
+    ratio, _ = pick_ratio(lambda r: 1000 * measured(0.037, 0.050)(r), scaled)
+    assert ratio == pytest.approx(base)
