@@ -3,6 +3,8 @@ Replanner driving them from report rounds (pure: no daemons)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from commd.coordinator.exchange_trials import (
@@ -382,3 +384,45 @@ def test_a_job_running_dense_on_one_group_still_watches_its_step() -> None:
     reasons = [replanner.decide([report(7 + i, replanner.version, 1.2)] * 2).reason
                for i in range(RETRIAL_ROUNDS)]
     assert "measuring the exchanges again" in reasons[-1], reasons
+
+
+def _run_auto(gain_of: Callable[[int, float], float], rounds: int) -> list[tuple[float, str]]:
+    """A `topk:auto` job whose nodes report the gains ``gain_of(round, ratio)`` of the ratio
+    run and of the smaller explored ones; the step grows with the ratio. (ratio, reason) per
+    round."""
+    replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:auto")
+    decision = replanner.decide([report(0, 0, 0.0)])
+    seen = []
+    for round_ in range(1, rounds + 1):
+        ratio = decision.ratio
+        gains = [[r, gain_of(round_, r)] for r in (0.001, 0.01, ratio) if r <= ratio]
+        step = 0.05 + 0.2 * ratio if decision.exchanges[0] != "dense" else 0.3
+        decision = replanner.decide([report(round_, decision.version, step, gains=gains)])
+        seen.append((decision.ratio, decision.reason))
+    return seen
+
+
+def test_topk_auto_solves_the_ratio_again_when_the_gains_fall_below_the_model() -> None:
+    """Early gains are near 1 for every ratio (the residual is still empty): the first
+    solve sees a flat curve. Once the gains fall, the ratio is solved again from the
+    newest ones — once — and lands higher (the gain curve is steeper)."""
+    def gain_of(round_: int, ratio: float) -> float:
+        return min(1.0, 0.9 * ratio**0.05) if round_ <= 2 else min(1.0, 2.0 * ratio**0.7)
+
+    seen = _run_auto(gain_of, 40)
+    again = [i for i, (_, why) in enumerate(seen) if "the model predicted" in why]
+    assert len(again) == 1, [why for _, why in seen]
+    first, settled = seen[again[0] - 1][0], seen[-1][0]
+    assert settled > first and 0.001 < settled <= 0.1
+
+
+def test_topk_auto_keeps_its_ratio_when_the_gains_hold_or_rise() -> None:
+    def steady(round_: int, ratio: float) -> float:
+        return min(1.0, 2.0 * ratio**0.7)
+
+    def rising(round_: int, ratio: float) -> float:
+        return min(1.0, (1 + 0.1 * round_) * ratio**0.7)
+
+    for gain_of in (steady, rising):
+        seen = _run_auto(gain_of, 30)
+        assert not [why for _, why in seen if "the model predicted" in why]

@@ -37,6 +37,14 @@ from commd.plan import LinearCost
 from commd_protocol import PeerProfile
 
 GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
+# Error feedback's residual builds up over the first rounds: gains measured then are near 1
+# for every ratio (E is little more than the gradient), so the first solve sees a flat gain
+# curve. When a round's gain at the solved ratio falls this far below the model's
+# (relative), the ratio is solved again from the newest gains, once per job (a gain that
+# rises is the residual held at a smaller ratio going out, for a round or two after a
+# change: no reason to solve again).
+GAIN_MISS = 0.3
+GAIN_RESOLVES = 1
 CPU_SMOOTHING = 0.5  # weight of the newest round in the CPU cost
 COMPRESSED = ("allgather", "allreduce")
 EXPLORE_TRIES = 2  # rounds an exploration ratio runs at most waiting for a whole round
@@ -61,6 +69,11 @@ class CompressionPolicy:
     _gained: set[float] = field(default_factory=set)
     _timed: set[float] = field(default_factory=set)
     _tries: dict[float, int] = field(default_factory=dict)  # rounds run per ratio
+    # the newest round's gains of two ratios or more, per ratio (the same residuals: their
+    # slope is the gain curve's now, where the whole window mixes early and late rounds)
+    _spread: list[tuple[float, float]] = field(default_factory=list)
+    _solved_gain: float = 0.0  # the model's gain at the ratio when it was solved
+    _gain_resolves: int = 0
 
     @property
     def state(self) -> str:
@@ -92,6 +105,10 @@ class CompressionPolicy:
         for report in reports:
             self.gains.extend((r, g) for r, g in report.gains)
         self.gains = self.gains[-GAIN_MEMORY:]
+        spread = _mean_per_ratio([(r, g) for report in reports for r, g in report.gains])
+        if len(spread) >= 2:
+            self._spread = spread
+        missed = self._gain_missed(spread)
         self._gained.update(r for report in reports for r, _ in report.gains
                             if r in EXPLORE_RATIOS)  # all it asks of them: bounded
         self._observe_cpu([r.cpu_s_per_element for r in reports if r.cpu_s_per_element])
@@ -100,12 +117,28 @@ class CompressionPolicy:
             self._tries[running.ratio] = tries = self._tries.get(running.ratio, 0) + 1
             if whole_round or tries >= EXPLORE_TRIES:  # a round that moves on is no hang
                 self._timed.add(running.ratio)
+        if missed:
+            return self.trials.restart(missed)
         if not whole_round or running is None:
             return ""
         steps = [r.step_s for r in reports]
         if min(steps) <= 0:
             return ""
         return self.trials.observe(running, float(np.mean(steps)))
+
+    def _gain_missed(self, gains: list[tuple[float, float]]) -> str:
+        """Why the ratio is to be solved again ("" if not): the gain this round measured at
+        the solved ratio is GAIN_MISS below what the model predicted when it was solved."""
+        if (self.spec.ratio is not None or self.exploring or self._solved_gain <= 0
+                or self._gain_resolves >= GAIN_RESOLVES):
+            return ""
+        observed = [g for r, g in gains if math.isclose(r, self.ratio, rel_tol=1e-9)]
+        if not observed or observed[0] >= (1 - GAIN_MISS) * self._solved_gain:
+            return ""
+        predicted, self._solved_gain = self._solved_gain, 0.0
+        self._gain_resolves += 1
+        return (f"gain at ratio {self.ratio:.4g} measured {observed[0]:.3f}, the model "
+                f"predicted {predicted:.3f}")
 
     def _observe_cpu(self, rows: list[list[float]]) -> None:
         """The slowest node's CPU costs gate the iteration. The overhead per group is the
@@ -164,11 +197,15 @@ class CompressionPolicy:
         if self._ratio_epoch == self.trials.epoch:
             return self.ratio, ""
         self._ratio_epoch = self.trials.epoch
-        model = fit_gain(self.gains)
+        model = fit_gain(self._spread) or fit_gain(self.gains)
         assert model is not None  # three ratios tried
         time_of = self._time_of(cost, elements)
         ratio, _front = pick_ratio(time_of, model)
-        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF)"
+        self._solved_gain = float(model.gain(ratio))
+        # what it was picked from, for the log: the step at each end, the gains
+        ends = ", ".join(f"{r:g}: {time_of(r) * 1e3:.1f} ms, gain {float(model.gain(r)):.3f}"
+                         for r in (0.01, 0.1))
+        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF; {ends})"
 
     def _exchanges(self) -> tuple[str, ...]:
         """The compressed exchanges ``auto`` measures. With two nodes only the allgather: its
@@ -222,3 +259,11 @@ class CompressionPolicy:
             return float(np.interp(math.log(ratio), xs, ys))
 
         return time_of
+
+
+def _mean_per_ratio(gains: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(ratio, mean gain) per distinct ratio, smallest ratio first."""
+    by_ratio: dict[float, list[float]] = {}
+    for ratio, gain in gains:
+        by_ratio.setdefault(ratio, []).append(gain)
+    return [(r, float(np.mean(g))) for r, g in sorted(by_ratio.items())]

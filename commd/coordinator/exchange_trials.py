@@ -130,7 +130,14 @@ class ExchangeTrials:
     def _measure_again(self, ran: Candidate, step_s: float, why: str,
                        recheck: bool = False) -> str:
         """Every candidate is measured again (``ran`` keeps this round's step)."""
+        why = self.restart(why, recheck)
         self.measured = {ran: step_s}
+        return why
+
+    def restart(self, why: str, recheck: bool = False) -> str:
+        """A new epoch: every candidate is measured again (e.g. `topk:auto`'s ratio is to be
+        solved again); returns the reason for the log."""
+        self.measured = {}
         self._previous, self.chosen = self.chosen, None
         self._drifted = self._behind = 0
         self._rechecked = recheck  # a drift starts a fresh epoch: the check may run again
