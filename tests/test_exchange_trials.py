@@ -404,14 +404,18 @@ def _run_auto(gain_of: Callable[[int, float], float], rounds: int) -> list[tuple
 
 def test_topk_auto_solves_the_ratio_again_when_the_gains_fall_below_the_model() -> None:
     """Early gains are near 1 for every ratio (the residual is still empty): the first
-    solve sees a flat curve. Once the gains fall, the ratio is solved again from the
-    newest ones — once — and lands higher (the gain curve is steeper)."""
+    solve sees a flat curve. The gains fall over rounds 3-8; once they have settled, the
+    ratio is solved again from the newest ones — once — and lands higher (the gain curve
+    is steeper)."""
     def gain_of(round_: int, ratio: float) -> float:
-        return min(1.0, 0.9 * ratio**0.05) if round_ <= 2 else min(1.0, 2.0 * ratio**0.7)
+        flat, steep = min(1.0, 0.9 * ratio**0.05), min(1.0, 2.0 * ratio**0.7)
+        share = min(1.0, max(0.0, (round_ - 2) / 6))  # 0 until round 2, 1 from round 8
+        return (1 - share) * flat + share * steep
 
     seen = _run_auto(gain_of, 40)
     again = [i for i, (_, why) in enumerate(seen) if "the model predicted" in why]
     assert len(again) == 1, [why for _, why in seen]
+    assert again[0] + 1 >= 9  # not while the gains still fell (rounds 3-8)
     first, settled = seen[again[0] - 1][0], seen[-1][0]
     assert settled > first and 0.001 < settled <= 0.1
 

@@ -39,11 +39,12 @@ from commd_protocol import PeerProfile
 GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
 # Error feedback's residual builds up over the first rounds: gains measured then are near 1
 # for every ratio (E is little more than the gradient), so the first solve sees a flat gain
-# curve. When a round's gain at the solved ratio falls this far below the model's
-# (relative), the ratio is solved again from the newest gains, once per job (a gain that
-# rises is the residual held at a smaller ratio going out, for a round or two after a
-# change: no reason to solve again).
+# curve. When the gain at the solved ratio has settled (a round within GAIN_SETTLED of the
+# one before) this far below the model's (relative), the ratio is solved again from the
+# newest gains, once per job. Solved while they still fall, the curve is still too flat; a
+# gain that rises is the residual held at a smaller ratio going out after a change.
 GAIN_MISS = 0.3
+GAIN_SETTLED = 0.1
 GAIN_RESOLVES = 1
 CPU_SMOOTHING = 0.5  # weight of the newest round in the CPU cost
 COMPRESSED = ("allgather", "allreduce")
@@ -73,6 +74,7 @@ class CompressionPolicy:
     # slope is the gain curve's now, where the whole window mixes early and late rounds)
     _spread: list[tuple[float, float]] = field(default_factory=list)
     _solved_gain: float = 0.0  # the model's gain at the ratio when it was solved
+    _last_gain: float = 0.0  # the previous round's gain at the ratio (0: none)
     _gain_resolves: int = 0
 
     @property
@@ -128,12 +130,17 @@ class CompressionPolicy:
 
     def _gain_missed(self, gains: list[tuple[float, float]]) -> str:
         """Why the ratio is to be solved again ("" if not): the gain this round measured at
-        the solved ratio is GAIN_MISS below what the model predicted when it was solved."""
+        the solved ratio has settled GAIN_MISS below what the model predicted when it was
+        solved."""
         if (self.spec.ratio is not None or self.exploring or self._solved_gain <= 0
                 or self._gain_resolves >= GAIN_RESOLVES):
             return ""
         observed = [g for r, g in gains if math.isclose(r, self.ratio, rel_tol=1e-9)]
-        if not observed or observed[0] >= (1 - GAIN_MISS) * self._solved_gain:
+        if not observed:
+            return ""
+        previous, self._last_gain = self._last_gain, observed[0]
+        if (previous <= 0 or observed[0] < (1 - GAIN_SETTLED) * previous  # not settled
+                or observed[0] >= (1 - GAIN_MISS) * self._solved_gain):
             return ""
         predicted, self._solved_gain = self._solved_gain, 0.0
         self._gain_resolves += 1
@@ -201,7 +208,7 @@ class CompressionPolicy:
         assert model is not None  # three ratios tried
         time_of = self._time_of(cost, elements)
         ratio, _front = pick_ratio(time_of, model)
-        self._solved_gain = float(model.gain(ratio))
+        self._solved_gain, self._last_gain = float(model.gain(ratio)), 0.0
         # what it was picked from, for the log: the step at each end, the gains
         ends = ", ".join(f"{r:g}: {time_of(r) * 1e3:.1f} ms, gain {float(model.gain(r)):.3f}"
                          for r in (0.01, 0.1))
