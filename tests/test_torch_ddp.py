@@ -285,3 +285,87 @@ def test_exit_without_close_releases_the_buffer(nodes) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["grads", "2", "closed", "True"], done.stdout
+
+
+def _train_in_process(nodes: list[LocalDaemon], job: str, compression: str,
+                      make_optimizer: Any, steps: int = 6) -> tuple[nn.Module, nn.Module]:
+    """One rank through commd with ``compression``, and the same training without DDP."""
+    model, reference = build_model("mlp", 7), build_model("mlp", 7)
+    with DistributedDataParallel(
+        model, job=job, rank=0, world_size=1, local_rank=0, local_world_size=1,
+        coordinator=nodes[0].address, socket=nodes[0].socket, timeout=20,
+        compression=compression,
+    ) as ddp:
+        optimizer, reference_optimizer = (make_optimizer(model.parameters()),
+                                          make_optimizer(reference.parameters()))
+        for step in range(steps):
+            x, y = batch("mlp", 0, step, 0, 8)
+            for net, opt in ((ddp, optimizer), (reference, reference_optimizer)):
+                opt.zero_grad()
+                loss_of(net, "mlp", 0, x, y).backward()
+                opt.step()
+    return model, reference
+
+
+@pytest.mark.timeout(60)
+def test_topk_under_sgd_momentum_is_momentum_corrected_on_the_rank(nodes) -> None:
+    """Top-k under the user's SGD momentum 0.9, corrected on the rank, trains exactly as the
+    daemon's momentum correction (``:momentum=0.9``, SGD without momentum) does: the same
+    velocity is sparsified and the update is lr·A either way. Uncorrected, error feedback
+    under the optimizer's momentum ends elsewhere."""
+    def sgd(momentum: float) -> Any:
+        return lambda params: torch.optim.SGD(params, lr=0.05, momentum=momentum)
+
+    ranked, _ = _train_in_process(nodes, "ddp-mc-rank", "topk:0.3:allgather", sgd(0.9))
+    daemon, _ = _train_in_process(nodes, "ddp-mc-daemon", "topk:0.3:allgather:momentum=0.9",
+                                  sgd(0.0))
+    for param, want in zip(ranked.parameters(), daemon.parameters(), strict=True):
+        torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_the_correction_keeps_momentum_sgd_exact_with_weight_decay(nodes) -> None:
+    """Ratio 1 (nothing held back): what goes to commd is the velocity (the optimizer's
+    momentum buffer without weight decay), and the weights are momentum SGD's."""
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+    model, reference = _train_in_process(nodes, "ddp-momentum", "topk:1", sgd)
+    for param, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_topk_under_adam_is_left_to_error_feedback(nodes) -> None:
+    """Adam keeps its own moments: nothing is corrected (the gradients go as they are)."""
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=0.01)
+
+    model, reference = _train_in_process(nodes, "ddp-adam", "topk:1", adam)
+    for param, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_momentum_correction_turns_off_when_a_step_is_missing(nodes, caplog) -> None:
+    """Two reductions without a step between: the buffer's image is lost, so the correction
+    says so and turns off; training goes on."""
+    model = build_model("mlp", 7)
+    with DistributedDataParallel(
+        model, job="ddp-nostep", rank=0, world_size=1, local_rank=0, local_world_size=1,
+        coordinator=nodes[0].address, socket=nodes[0].socket, timeout=20,
+        compression="topk:0.5",
+    ) as ddp:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        correction = ddp._reducer.correction
+        assert correction is not None and correction.active
+        for step in range(3):
+            x, y = batch("mlp", 0, step, 0, 8)
+            loss_of(ddp, "mlp", 0, x, y).backward()
+            if step == 0:
+                optimizer.step()  # momentum 0.9 learnt; steps 1 and 2 reduce without one
+        assert correction.momentum == pytest.approx(0.9)
+        assert not correction.active
+        assert "two gradient reductions without an optimizer step" in caplog.text
+        optimizer.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from commd_protocol import CommdError
 
 from ._torch_common import Endpoint, as_tensor, broadcast_order, grad_dtype
+from ._torch_momentum import MomentumCorrection, wants_correction
 from ._torch_slots import Bucket, Slots
 
 USED_LAYER = "commd:used"
@@ -74,6 +75,8 @@ class Reducer:
         self._queued = False
         self._warned = False
         self._failure: BaseException | None = None
+        # top-k under the optimizer's own SGD momentum: DGC's correction on this rank
+        self.correction = MomentumCorrection(self.params) if wants_correction(compression) else None
         self._handles: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._hook(index))
             for index, param in enumerate(self.params)
@@ -92,6 +95,9 @@ class Reducer:
             )
         self.wire_dtype = dtype
         self._slots = Slots(self.params, staged=dtype is not None)
+        if dtype is not None and self.correction is not None:  # the buffers hold the wire's
+            self.correction.close()
+            self.correction = None
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -127,6 +133,7 @@ class Reducer:
         if self._sync_backward:
             if self._slots.staged:
                 self._slots.load(index)
+            self._send(index)
             bucket, layer = self._slots.layer(index)
             self._guard(bucket.client.ready, layer)
             self._marked[index] = True
@@ -144,6 +151,8 @@ class Reducer:
             self._finish()
             if self.after_reduce is not None:
                 self.after_reduce()
+            if self.correction is not None:
+                self.correction.received()
         except BaseException as exc:
             self._failure = exc
             raise
@@ -155,9 +164,15 @@ class Reducer:
             for layer, index in enumerate(bucket.params, start=1):
                 if not self._marked[index]:
                     self._slots.load(index)
+                    self._send(index)
                     layers.append(layer)
             bucket.flags.copy_(torch.from_numpy(self._used[bucket.params]))
             bucket.client.ready(layers)
+
+    def _send(self, index: int) -> None:
+        """The gradient in the buffer is about to be handed over (momentum correction)."""
+        if self.correction is not None:
+            self.correction.send(index, self._slots.view(index))
 
     def _wait_all(self) -> None:
         for bucket in self._slots.buckets:
@@ -273,6 +288,8 @@ class Reducer:
 
     def close(self) -> None:
         """Remove the hooks and close the jobs; .grad views stay readable."""
+        if self.correction is not None:
+            self.correction.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []

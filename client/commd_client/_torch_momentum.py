@@ -1,0 +1,154 @@
+"""Momentum correction for top-k under the user's own SGD momentum (docs/compression.md).
+
+Top-k with error feedback holds a gradient back and sends it late in one piece; an optimizer
+with momentum then multiplies that lump again, and training runs behind momentum SGD's. Deep
+Gradient Compression moves the momentum before the sparsification. This does it without
+touching the optimizer: once the wrapped parameters are seen stepped by ``torch.optim.SGD``
+with momentum ``m`` (dampening 0, no Nesterov), each rank
+
+- hands commd its velocity ``u = m·u + g`` instead of ``g`` (the node sum of the ranks'
+  velocities is the node's velocity: momentum is linear), and
+- turns the reduced sum ``A`` back into ``g' = A − m·b``, where ``b`` is what the
+  optimizer's momentum buffer holds (less weight decay's part), so the optimizer's own
+  momentum step ``b ← m·b + g'`` makes it ``A``: the update is ``lr·A``, DGC's.
+
+The optimizer, its state dict, learning-rate and momentum schedules stay as they are; weight
+decay keeps its momentum, as in momentum SGD. The first backward runs before any optimizer
+step: ``u`` starts at zero, so ``u = g`` there whatever ``m`` turns out to be.
+
+It switches itself off (and says so once) where the invariant cannot hold: another optimizer
+(Adam keeps its own moments), Nesterov or dampening, several momenta, not all of the wrapped
+parameters in one optimizer, or a reduction without a step after it (or a step without one).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+logger = logging.getLogger("commd_client")
+
+__all__ = ["MomentumCorrection", "wants_correction"]
+
+
+def wants_correction(compression: str | None) -> bool:
+    """Top-k without the daemon's own momentum (``:momentum=M``): the case this serves."""
+    text = (compression or "").strip()
+    return text.startswith("topk:") and ":momentum=" not in text
+
+
+class MomentumCorrection:
+    """Per rank: the velocities sent and the momentum buffer's image, per parameter."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.momentum: float | None = None  # None: no optimizer step seen yet
+        self.active = True
+        self._ids = {id(p) for p in params}
+        self._velocity: list[torch.Tensor | None] = [None] * len(params)
+        self._buffer: list[torch.Tensor | None] = [None] * len(params)
+        self._reduced = False  # a reduction since the last optimizer step
+        me = weakref.ref(self)
+
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            correction = me()
+            if correction is not None:
+                correction.before_step(optimizer)
+
+        self._handle: RemovableHandle | None = (
+            register_optimizer_step_pre_hook(hook))
+
+    # --- backward: what is sent ----------------------------------------------------------------
+
+    def send(self, index: int, view: torch.Tensor) -> None:
+        """``view`` holds this rank's gradient, about to be handed to commd: make it the
+        velocity ``m·u + g`` (and remember it)."""
+        if not self.active:
+            return
+        velocity = self._velocity[index]
+        with torch.no_grad():
+            if velocity is None:  # u = 0 before: u = g
+                self._velocity[index] = view.detach().clone()
+                return
+            view.add_(velocity, alpha=self.momentum or 0.0)
+            velocity.copy_(view)
+
+    def received(self) -> None:
+        """Every ``.grad`` holds the reduced velocities ``A``: make it ``A − m·b``."""
+        if not self.active:
+            return
+        if self._reduced:
+            self._off("two gradient reductions without an optimizer step in between")
+            return
+        self._reduced = True
+        momentum = self.momentum or 0.0
+        with torch.no_grad():
+            for param, buffer in zip(self.params, self._buffer, strict=True):
+                if buffer is not None and param.grad is not None:
+                    param.grad.sub_(buffer, alpha=momentum)
+
+    # --- the optimizer's step ------------------------------------------------------------------
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's global step pre-hook: learn ``m`` and follow the momentum buffer."""
+        if not self.active:
+            return
+        groups = [g for g in optimizer.param_groups if self._ids & {id(p) for p in g["params"]}]
+        if not groups:
+            return  # another model's optimizer
+        why = self._ineligible(optimizer, groups)
+        if why:
+            # Adam or plain SGD from the start: error feedback alone is what they want.
+            expected = why.startswith("the optimizer is") or "momentum 0" in why
+            self._off(why, quiet=self.momentum is None and expected)
+            return
+        if not self._reduced:
+            self._off("an optimizer step without a gradient reduction before it")
+            return
+        self._reduced = False
+        self.momentum = float(groups[0]["momentum"])
+        with torch.no_grad():
+            for index, param in enumerate(self.params):
+                if param.grad is None:
+                    continue
+                buffer = self._buffer[index]
+                if buffer is None:
+                    self._buffer[index] = param.grad.detach().clone()
+                else:
+                    buffer.mul_(self.momentum).add_(param.grad)
+
+    def _ineligible(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> str:
+        if not isinstance(optimizer, torch.optim.SGD):
+            return f"the optimizer is {type(optimizer).__name__}, not SGD"
+        momenta = {float(g.get("momentum", 0.0)) for g in groups}
+        if len(momenta) != 1:
+            return f"the parameter groups have different momenta {sorted(momenta)}"
+        if momenta == {0.0}:
+            return "SGD runs with momentum 0"
+        if any(g.get("nesterov") or g.get("dampening", 0.0) for g in groups):
+            return "SGD runs with Nesterov momentum or dampening"
+        held = {id(p) for g in groups for p in g["params"]}
+        if not self._ids <= held:
+            return "the optimizer holds only some of the wrapped parameters"
+        return ""
+
+    def _off(self, why: str, quiet: bool = False) -> None:
+        """No correction from here on: plain error feedback."""
+        log = logger.info if quiet else logger.warning
+        log("commd: top-k momentum correction is off: %s; compressed gradients go through "
+            "error feedback alone from here on.", why)
+        self.active = False
+        self._velocity = [None] * len(self.params)
+        self._buffer = [None] * len(self.params)
+        self.close()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
