@@ -8,9 +8,11 @@ nodes' batches) averaged over the streams, against dense training's.
 
 * ``dense``: the mean gradient, SGD with momentum 0.9;
 * ``ef``: error feedback (each node sends the top-k of R + g and keeps the rest), SGD with
-  momentum 0.9 on the sum — what ``topk:R`` does;
+  momentum 0.9 on the sum — what ``topk:R`` did under SGD momentum before the DDP wrapper
+  corrected it on the rank (and what it still does through the plain client);
 * ``mc``: momentum correction (u = m·u + g, the top-k of R + u, SGD without momentum) — what
-  ``topk:R:momentum=0.9`` does;
+  ``topk:R:momentum=0.9`` does, and ``topk:R`` through the DDP wrapper under SGD momentum 0.9
+  (the same update);
 * ``mask``: ``mc`` with DGC's momentum factor masking (u = 0 where sent).
 
     .venv/bin/python bench/topk_offline.py --variants ef,mc --ratios 0.01,0.03,0.05,0.1

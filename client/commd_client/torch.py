@@ -63,8 +63,10 @@ class DistributedDataParallel(_TorchDDP):
     ``local_world_size``, ``coordinator``, ``socket``, ``timeout``; each defaults from the
     process group or torchrun's environment), ``planner`` (commd's merge planner) and
     ``compression`` (``topk:RATIO[:EXCHANGE]`` or ``topk:auto``, optionally ``:momentum=M``:
-    the daemon keeps the momentum, so build the optimizer without it; default
-    $COMMD_COMPRESSION, else none; with compression every parameter counts as used).
+    the daemon keeps the momentum, so build the optimizer without it; without it, top-k under
+    ``torch.optim.SGD`` with momentum is momentum-corrected on each rank, the optimizer as it
+    is (``_torch_momentum``); default $COMMD_COMPRESSION, else none; with compression every
+    parameter counts as used).
     """
 
     def __init__(  # torch's signature, then commd's keywords
