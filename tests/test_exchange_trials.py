@@ -386,19 +386,24 @@ def test_a_job_running_dense_on_one_group_still_watches_its_step() -> None:
     assert "measuring the exchanges again" in reasons[-1], reasons
 
 
-def _run_auto(gain_of: Callable[[int, float], float], rounds: int) -> list[tuple[float, str]]:
+def _run_auto(gain_of: Callable[[int, float], float], rounds: int,
+              ran: list[str] | None = None) -> list[tuple[float, str]]:
     """A `topk:auto` job whose nodes report the gains ``gain_of(round, ratio)`` of the ratio
     run and of the smaller explored ones; the step grows with the ratio. (ratio, reason) per
     round."""
+    slow = LinearCost(alpha_s=2e-3, beta_s_per_byte=100e-9)  # dense: ~0.4 s per iteration
     replanner = Replanner("syncea", SIZES, nodes=3, compression="topk:auto")
-    decision = replanner.decide([report(0, 0, 0.0)])
+    decision = replanner.decide([report(0, 0, 0.0, net=slow)])
     seen = []
     for round_ in range(1, rounds + 1):
         ratio = decision.ratio
         gains = [[r, gain_of(round_, r)] for r in (0.001, 0.01, ratio) if r <= ratio]
-        step = 0.05 + 0.2 * ratio if decision.exchanges[0] != "dense" else 0.3
-        decision = replanner.decide([report(round_, decision.version, step, gains=gains)])
+        step = 0.05 + 0.2 * ratio if decision.exchanges[0] != "dense" else 0.4
+        decision = replanner.decide([report(round_, decision.version, step, gains=gains,
+                                            net=slow)])
         seen.append((decision.ratio, decision.reason))
+        if ran is not None:
+            ran.append(decision.exchanges[0])
     return seen
 
 
@@ -412,12 +417,15 @@ def test_topk_auto_solves_the_ratio_again_when_the_gains_fall_below_the_model() 
         share = min(1.0, max(0.0, (round_ - 2) / 6))  # 0 until round 2, 1 from round 8
         return (1 - share) * flat + share * steep
 
-    seen = _run_auto(gain_of, 40)
+    ran: list[str] = []
+    seen = _run_auto(gain_of, 40, ran)
     again = [i for i, (_, why) in enumerate(seen) if "the model predicted" in why]
     assert len(again) == 1, [why for _, why in seen]
     assert again[0] + 1 >= 9  # not while the gains still fell (rounds 3-8)
     first, settled = seen[again[0] - 1][0], seen[-1][0]
     assert settled > first and 0.001 < settled <= 0.1
+    # The network did not change: dense, predicted far slower, is measured for neither.
+    assert "dense" not in ran, ran
 
 
 def test_topk_auto_keeps_its_ratio_when_the_gains_hold_or_rise() -> None:

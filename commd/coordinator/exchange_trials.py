@@ -71,6 +71,9 @@ class ExchangeTrials:
     chosen: Candidate | None = None  # None: still measuring
     reference_s: float = 0.0  # the chosen candidate's step time when it was chosen
     epoch: int = 0  # how many times every candidate was measured anew
+    # the latest epoch started because the step time moved (the network or the load may
+    # have changed), not only for `topk:auto`'s ratio
+    network_epoch: int = 0
     _drifted: int = 0  # rounds in a row the chosen candidate's step time was off
     _behind: int = 0  # rounds in a row it ran BEHIND slower than the runner-up's trial
     _rechecked: bool = False  # this epoch already measured again for being behind
@@ -131,12 +134,13 @@ class ExchangeTrials:
                        recheck: bool = False) -> str:
         """Every candidate is measured again (``ran`` keeps this round's step)."""
         why = self.restart(why, recheck)
+        self.network_epoch = self.epoch
         self.measured = {ran: step_s}
         return why
 
     def restart(self, why: str, recheck: bool = False) -> str:
-        """A new epoch: every candidate is measured again (e.g. `topk:auto`'s ratio is to be
-        solved again); returns the reason for the log."""
+        """A new epoch: every candidate is measured again (alone, for `topk:auto`'s ratio to
+        be solved again: the network's a, b stay current); returns the reason for the log."""
         self.measured = {}
         self._previous, self.chosen = self.chosen, None
         self._drifted = self._behind = 0

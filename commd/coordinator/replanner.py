@@ -271,8 +271,9 @@ class Replanner:
                                                  self._overhead_of(candidate))
             return evaluate(planned, self.sizes_bytes, backward, line).iteration_s
 
-        # Dense is measured in any case when a, b predate the latest re-measuring.
-        stale = self._network_epoch != policy.trials.epoch
+        # Dense is measured in any case when a, b predate the latest re-measuring for a
+        # moved step time (one for the ratio alone leaves them current).
+        stale = self._network_epoch < policy.trials.network_epoch
         self._next, why = policy.choose(cost, [self._elements(g) for g in groups], predict,
                                         measure_dense=stale)
         changed = self._next != policy.running
