@@ -369,3 +369,17 @@ def test_momentum_correction_turns_off_when_a_step_is_missing(nodes, caplog) -> 
         assert "two gradient reductions without an optimizer step" in caplog.text
         optimizer.step()
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_daemon_momentum_with_an_optimizer_momentum_is_named(nodes, caplog) -> None:
+    """``:momentum=0.9`` with SGD(momentum=0.9) runs the momentum twice: one warning."""
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    _train_in_process(nodes, "ddp-double", "topk:0.5:momentum=0.9", sgd, steps=3)
+    assert caplog.text.count("so it runs twice") == 1, caplog.text
+    caplog.clear()
+    _train_in_process(nodes, "ddp-single", "topk:0.5:momentum=0.9",
+                      lambda params: torch.optim.SGD(params, lr=0.05), steps=3)
+    assert "runs twice" not in caplog.text

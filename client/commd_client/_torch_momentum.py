@@ -34,7 +34,48 @@ from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger("commd_client")
 
-__all__ = ["MomentumCorrection", "wants_correction"]
+__all__ = ["DoubleMomentumCheck", "MomentumCorrection", "wants_correction"]
+
+
+def _ours(ids: set[int], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups that hold any of the parameters ``ids``."""
+    return [g for g in optimizer.param_groups if ids & {id(p) for p in g["params"]}]
+
+
+class DoubleMomentumCheck:
+    """``:momentum=M``: the daemon keeps the momentum, so an optimizer with its own would run
+    it twice (a 1/(1 − m)² weight per gradient, training diverges or crawls). Says so once, at
+    the first step of an optimizer of the wrapped parameters, then lets go."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self._ids = {id(p) for p in params}
+        me = weakref.ref(self)
+
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            check = me()
+            if check is not None:
+                check.before_step(optimizer)
+
+        self._handle: RemovableHandle | None = register_optimizer_step_pre_hook(hook)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = _ours(self._ids, optimizer)
+        if not groups:
+            return
+        momenta = sorted({float(g.get("momentum", 0.0)) for g in groups} - {0.0})
+        if momenta:
+            logger.warning(
+                "commd: compression with ':momentum=' keeps the momentum in the daemon, but "
+                "the optimizer (%s) has momentum %s too, so it runs twice; build the "
+                "optimizer with momentum=0, or drop ':momentum=' and keep the optimizer's "
+                "(the wrapper then corrects top-k on each rank).",
+                type(optimizer).__name__, ", ".join(f"{m:g}" for m in momenta))
+        self.close()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 def wants_correction(compression: str | None) -> bool:
@@ -99,7 +140,7 @@ class MomentumCorrection:
         """torch's global step pre-hook: learn ``m`` and follow the momentum buffer."""
         if not self.active:
             return
-        groups = [g for g in optimizer.param_groups if self._ids & {id(p) for p in g["params"]}]
+        groups = _ours(self._ids, optimizer)
         if not groups:
             return  # another model's optimizer
         why = self._ineligible(optimizer, groups)

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from commd_protocol import CommdError
 
 from ._torch_common import Endpoint, as_tensor, broadcast_order, grad_dtype
-from ._torch_momentum import MomentumCorrection, wants_correction
+from ._torch_momentum import DoubleMomentumCheck, MomentumCorrection, wants_correction
 from ._torch_slots import Bucket, Slots
 
 USED_LAYER = "commd:used"
@@ -77,6 +77,8 @@ class Reducer:
         self._failure: BaseException | None = None
         # top-k under the optimizer's own SGD momentum: DGC's correction on this rank
         self.correction = MomentumCorrection(self.params) if wants_correction(compression) else None
+        self._double_check = (DoubleMomentumCheck(self.params)
+                              if ":momentum=" in (compression or "") else None)
         self._handles: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._hook(index))
             for index, param in enumerate(self.params)
@@ -288,8 +290,9 @@ class Reducer:
 
     def close(self) -> None:
         """Remove the hooks and close the jobs; .grad views stay readable."""
-        if self.correction is not None:
-            self.correction.close()
+        for hook in (self.correction, self._double_check):
+            if hook is not None:
+                hook.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []
