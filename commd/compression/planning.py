@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +92,14 @@ class GainModel:
 
     def gain(self, ratio: float | np.ndarray) -> np.ndarray:
         return np.minimum(1.0, np.exp(-self.c0) * np.power(ratio, -self.c1))
+
+
+def mean_gain_per_ratio(gains: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(ratio, mean gain) per distinct ratio of (ratio, gain) observations, smallest first."""
+    by_ratio: dict[float, list[float]] = {}
+    for ratio, gain in gains:
+        by_ratio.setdefault(ratio, []).append(gain)
+    return [(r, float(np.mean(g))) for r, g in sorted(by_ratio.items())]
 
 
 def fit_gain(observations: Sequence[tuple[float, float]]) -> GainModel | None:

@@ -16,7 +16,7 @@ Pure: the ``Replanner`` feeds it the nodes' reports and plans with what it retur
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +29,7 @@ from commd.compression.planning import (
     compressed_cost,
     fit_gain,
     link_cost,
+    mean_gain_per_ratio,
     pick_ratio,
 )
 from commd.compression.topk import CompressionSpec
@@ -107,7 +108,7 @@ class CompressionPolicy:
         for report in reports:
             self.gains.extend((r, g) for r, g in report.gains)
         self.gains = self.gains[-GAIN_MEMORY:]
-        spread = _mean_per_ratio([(r, g) for report in reports for r, g in report.gains])
+        spread = mean_gain_per_ratio((r, g) for report in reports for r, g in report.gains)
         if len(spread) >= 2:
             self._spread = spread
         missed = self._gain_missed(spread)
@@ -135,16 +136,17 @@ class CompressionPolicy:
         if (self.spec.ratio is not None or self.exploring or self._solved_gain <= 0
                 or self._gain_resolves >= GAIN_RESOLVES):
             return ""
-        observed = [g for r, g in gains if math.isclose(r, self.ratio, rel_tol=1e-9)]
-        if not observed:
+        observed = next((g for r, g in gains if math.isclose(r, self.ratio, rel_tol=1e-9)),
+                        None)
+        if observed is None:
             return ""
-        previous, self._last_gain = self._last_gain, observed[0]
-        if (previous <= 0 or observed[0] < (1 - GAIN_SETTLED) * previous  # not settled
-                or observed[0] >= (1 - GAIN_MISS) * self._solved_gain):
+        previous, self._last_gain = self._last_gain, observed
+        if (previous <= 0 or observed < (1 - GAIN_SETTLED) * previous  # not settled
+                or observed >= (1 - GAIN_MISS) * self._solved_gain):
             return ""
         predicted, self._solved_gain = self._solved_gain, 0.0
         self._gain_resolves += 1
-        return (f"gain at ratio {self.ratio:.4g} measured {observed[0]:.3f}, the model "
+        return (f"gain at ratio {self.ratio:.4g} measured {observed:.3f}, the model "
                 f"predicted {predicted:.3f}")
 
     def _observe_cpu(self, rows: list[list[float]]) -> None:
@@ -241,17 +243,10 @@ class CompressionPolicy:
             return min(self.model_s(Candidate(e, ratio), cost, elements)
                        for e in self._exchanges())
 
-        fastest: dict[float, float] = {}  # ratio -> its fastest measured step
-        for c, step in self.trials.measured.items():
-            if c.exchange != "dense":
-                fastest[c.ratio] = min(step, fastest.get(c.ratio, math.inf))
         # Ratios not measured in this epoch keep their latest step: the cost model alone
         # misses the compute, so a new epoch would see a flat time and pick the largest gain.
-        earlier: dict[float, float] = {}
-        for c, step in self.trials.latest.items():
-            if c.exchange != "dense" and c.ratio not in fastest:
-                earlier[c.ratio] = min(step, earlier.get(c.ratio, math.inf))
-        fastest.update(earlier)
+        fastest = {**_fastest_per_ratio(self.trials.latest),
+                   **_fastest_per_ratio(self.trials.measured)}
         if not fastest:
             return model
         xs = [math.log(r) for r in sorted(fastest)]
@@ -268,9 +263,10 @@ class CompressionPolicy:
         return time_of
 
 
-def _mean_per_ratio(gains: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(ratio, mean gain) per distinct ratio, smallest ratio first."""
-    by_ratio: dict[float, list[float]] = {}
-    for ratio, gain in gains:
-        by_ratio.setdefault(ratio, []).append(gain)
-    return [(r, float(np.mean(g))) for r, g in sorted(by_ratio.items())]
+def _fastest_per_ratio(steps: Mapping[Candidate, float]) -> dict[float, float]:
+    """ratio -> the fastest step a compressed candidate of that ratio measured."""
+    fastest: dict[float, float] = {}
+    for candidate, step in steps.items():
+        if candidate.exchange != "dense":
+            fastest[candidate.ratio] = min(step, fastest.get(candidate.ratio, math.inf))
+    return fastest

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from commd.compression.planning import mean_gain_per_ratio
 from commd.job.schedule import Plan
 from commd_protocol.peer import ALLREDUCE
 
@@ -174,13 +175,13 @@ class NodeProfiler:
 
 
 def _gains_by_ratio(records: Sequence[IterationRecord]) -> list[list[float]]:
-    by_ratio: dict[float, list[float]] = {}
-    for record in records:
-        if record.ratio < 1.0:
-            by_ratio.setdefault(record.ratio, []).append(record.gain)
-        for ratio, gain in record.lower_gains:
-            by_ratio.setdefault(ratio, []).append(gain)
-    return [[ratio, float(np.mean(gains))] for ratio, gains in sorted(by_ratio.items())]
+    def observed() -> Iterator[tuple[float, float]]:
+        for record in records:
+            if record.ratio < 1.0:
+                yield record.ratio, record.gain
+            yield from record.lower_gains
+
+    return [[ratio, gain] for ratio, gain in mean_gain_per_ratio(observed())]
 
 
 def _cpu_per_element(records: Sequence[IterationRecord]) -> list[float]:
