@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger("commd_client")
 
-__all__ = ["DoubleMomentumCheck", "MomentumCorrection", "wants_correction"]
+__all__ = ["DoubleMomentumCheck", "MomentumCorrection", "StepHook", "step_hook_for"]
 
 
 def _ours(ids: set[int], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -42,21 +42,45 @@ def _ours(ids: set[int], optimizer: torch.optim.Optimizer) -> list[dict[str, Any
     return [g for g in optimizer.param_groups if ids & {id(p) for p in g["params"]}]
 
 
-class DoubleMomentumCheck:
-    """``:momentum=M``: the daemon keeps the momentum, so an optimizer with its own would run
-    it twice (a 1/(1 − m)² weight per gradient, training diverges or crawls). Says so once, at
-    the first step of an optimizer of the wrapped parameters, then lets go."""
+class StepHook:
+    """torch's global optimizer step pre-hook for the wrapped parameters, held by a weak
+    reference (a collected wrapper leaves no hook behind); ``close`` removes it."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = params
         self._ids = {id(p) for p in params}
         me = weakref.ref(self)
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            check = me()
-            if check is not None:
-                check.before_step(optimizer)
+            this = me()
+            if this is not None:
+                this.before_step(optimizer)
 
         self._handle: RemovableHandle | None = register_optimizer_step_pre_hook(hook)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def step_hook_for(params: Sequence[torch.nn.Parameter],
+                  compression: str | None) -> StepHook | None:
+    """Top-k without the daemon's momentum: the rank's correction; with ``:momentum=M``: the
+    check that the optimizer has none of its own; anything else: None."""
+    text = (compression or "").strip()
+    if not text.startswith("topk:"):
+        return None
+    return DoubleMomentumCheck(params) if ":momentum=" in text else MomentumCorrection(params)
+
+
+class DoubleMomentumCheck(StepHook):
+    """``:momentum=M``: the daemon keeps the momentum, so an optimizer with its own would run
+    it twice (a 1/(1 − m)² weight per gradient, training diverges or crawls). Says so once, at
+    the first step of an optimizer of the wrapped parameters, then lets go."""
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         groups = _ours(self._ids, optimizer)
@@ -72,38 +96,17 @@ class DoubleMomentumCheck:
                 type(optimizer).__name__, ", ".join(f"{m:g}" for m in momenta))
         self.close()
 
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
-
-def wants_correction(compression: str | None) -> bool:
-    """Top-k without the daemon's own momentum (``:momentum=M``): the case this serves."""
-    text = (compression or "").strip()
-    return text.startswith("topk:") and ":momentum=" not in text
-
-
-class MomentumCorrection:
+class MomentumCorrection(StepHook):
     """Per rank: the velocities sent and the momentum buffer's image, per parameter."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
-        self.params = params
+        super().__init__(params)
         self.momentum: float | None = None  # None: no optimizer step seen yet
         self.active = True
-        self._ids = {id(p) for p in params}
         self._velocity: list[torch.Tensor | None] = [None] * len(params)
         self._buffer: list[torch.Tensor | None] = [None] * len(params)
         self._reduced = False  # a reduction since the last optimizer step
-        me = weakref.ref(self)
-
-        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            correction = me()
-            if correction is not None:
-                correction.before_step(optimizer)
-
-        self._handle: RemovableHandle | None = (
-            register_optimizer_step_pre_hook(hook))
 
     # --- backward: what is sent ----------------------------------------------------------------
 
@@ -188,8 +191,3 @@ class MomentumCorrection:
         self._velocity = [None] * len(self.params)
         self._buffer = [None] * len(self.params)
         self.close()
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None

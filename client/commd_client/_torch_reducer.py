@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from commd_protocol import CommdError
 
 from ._torch_common import Endpoint, as_tensor, broadcast_order, grad_dtype
-from ._torch_momentum import DoubleMomentumCheck, MomentumCorrection, wants_correction
+from ._torch_momentum import MomentumCorrection, StepHook, step_hook_for
 from ._torch_slots import Bucket, Slots
 
 USED_LAYER = "commd:used"
@@ -75,14 +75,19 @@ class Reducer:
         self._queued = False
         self._warned = False
         self._failure: BaseException | None = None
-        # top-k under the optimizer's own SGD momentum: DGC's correction on this rank
-        self.correction = MomentumCorrection(self.params) if wants_correction(compression) else None
-        self._double_check = (DoubleMomentumCheck(self.params)
-                              if ":momentum=" in (compression or "") else None)
+        # top-k under the optimizer's own SGD momentum: DGC's correction on this rank (or,
+        # with the daemon's momentum, the check that the optimizer keeps none of its own)
+        self._step_hook: StepHook | None = step_hook_for(self.params, compression)
         self._handles: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._hook(index))
             for index, param in enumerate(self.params)
         ]
+
+    @property
+    def correction(self) -> MomentumCorrection | None:
+        """The rank's momentum correction, where the compression has one."""
+        hook = self._step_hook
+        return hook if isinstance(hook, MomentumCorrection) else None
 
     @property
     def registered(self) -> bool:
@@ -99,7 +104,7 @@ class Reducer:
         self._slots = Slots(self.params, staged=dtype is not None)
         if dtype is not None and self.correction is not None:  # the buffers hold the wire's
             self.correction.close()
-            self.correction = None
+            self._step_hook = None
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -290,9 +295,8 @@ class Reducer:
 
     def close(self) -> None:
         """Remove the hooks and close the jobs; .grad views stay readable."""
-        for hook in (self.correction, self._double_check):
-            if hook is not None:
-                hook.close()
+        if self._step_hook is not None:
+            self._step_hook.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []
