@@ -150,6 +150,29 @@ def test_replanner_search_finds_fewer_groups_when_they_are_faster() -> None:
     assert replanner.search.state == "done" and replanner.search.overhead_s > 0
 
 
+def test_the_kept_trial_runs_as_measured_when_the_profile_moved_since() -> None:
+    """The search keeps a trial's groups, not its overhead alone: the model's plan for the
+    kept overhead moves with the backward profile (a 4-group trial measured 51.9 ms came
+    back as 7 groups that ran 60-64 ms)."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2)
+    sizes = len(replanner.sizes_bytes)
+    decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
+    counts = []
+    for number in range(1, 10):
+        per_layer = 0.002 if number <= 3 else 0.0016  # backward 20 % faster: below DRIFT
+        offsets = [per_layer * (sizes - 1 - i) for i in range(sizes)]
+        step = 0.040 + 0.003 * abs(len(decision.groups) - 6)  # six groups run fastest
+        decision = replanner.decide(
+            [_report(number, 10 * number - 1, decision.version, step, offsets)] * 2)
+        counts.append(len(decision.groups))
+    best = replanner.search.best
+    assert replanner.search.state == "done" and best is not None and best.groups == 6
+    model = replanner._plan(replanner.cost, replanner.backward_s, best.overhead_s)[0]
+    assert len(model) != 6  # the model alone would now run another plan
+    assert decision.groups == [list(group) for group in best.plan], counts
+    assert counts[-1] == 6
+
+
 def test_replanner_search_keeps_the_model_plan_when_it_is_fastest() -> None:
     replanner = Replanner("optimal", [1 << 20] * 16, nodes=2)
     counts = drive(replanner, lambda groups: 0.040 + 0.004 * (16 - groups))  # overlap pays

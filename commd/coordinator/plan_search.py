@@ -12,11 +12,12 @@ grows geometrically (a, 4a, 16a, …: fewer, larger groups) until the plan is on
 search does not stop at the first slower plan: step times need not fall steadily as groups
 merge (97 groups and 40 may both be slower than 1), and one round is noisy on a shared
 machine; at most ~7 trials of one round each, once per job. Then it keeps the trial with the
-fewest groups among those within ``TIE`` of the fastest, and stops. A plan the model would
-not change is skipped without a round. While the model's own plan is one group there is
-nothing to search; the search starts when it first proposes more. A search may start from a
-given overhead (a plan measured before, see ``Replanner._enable_search``) and goes up from
-there. Pure: no I/O, no clock.
+fewest groups among those within ``TIE`` of the fastest, and stops: that trial's groups run
+from then on as measured (``Trial.plan``), not the model's plan for its overhead, which moves
+with the profile. A plan the model would not change is skipped without a round. While the
+model's own plan is one group there is nothing to search; the search starts when it first
+proposes more. A search may start from a given overhead (a plan measured before, see
+``Replanner._enable_search``) and goes up from there. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ def _key(groups: Groups) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(sorted(group)) for group in groups)
 
 
+def _plan(groups: Groups) -> tuple[tuple[int, ...], ...]:
+    """The groups as run, in their order (immutable: a trial outlives the plan in force)."""
+    return tuple(tuple(group) for group in groups)
+
+
 @dataclass(frozen=True)
 class Trial:
     overhead_s: float
     groups: int
     step_s: float
+    # the groups the round ran: what is kept is the plan measured, not the overhead alone (the
+    # model's plan for an overhead moves with the profile: a 4-group trial at 51.9 ms came
+    # back as 7 groups, measured 60-64 ms)
+    plan: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -83,10 +93,10 @@ class PlanSearch:
             # are fitted later. Until the model proposes more groups there is nothing to
             # search: keep the newest one-group measurement and wait.
             self.trials = [t for t in self.trials if t.groups > 1]
-            self.trials.append(Trial(MAX_OVERHEAD_S, 1, step_s))
+            self.trials.append(Trial(MAX_OVERHEAD_S, 1, step_s, _plan(groups)))
             waiting = len(self.trials) == 1 and self.overhead_s < MAX_OVERHEAD_S
             return "" if waiting else self._finish()  # (started at one group: nothing above)
-        self.trials.append(Trial(self.overhead_s, len(groups), step_s))
+        self.trials.append(Trial(self.overhead_s, len(groups), step_s, _plan(groups)))
         overhead = self._next_overhead(groups, alpha_s, plan_for)
         if overhead is None:
             return self._finish()

@@ -113,6 +113,8 @@ class Replanner:
             self.cost, self.backward_s = cost, backward
             overhead = self._overhead_of(self._next)
             groups, exchanges, self.planning_cost = self._plan(cost, backward, overhead)
+            if searching and self.search.done:
+                groups, exchanges = self._measured_best(groups, exchanges)
             ratio = self.policy.ratio if self.policy is not None else 0.0
             forced = bool(search_reason or compression_reason)
             if (groups, exchanges, ratio) != previous and (
@@ -168,6 +170,16 @@ class Replanner:
                 chosen, PlanSearch(overhead_s=self._overhead_in_force))
         else:
             self.search = PlanSearch(enabled=False)
+
+    def _measured_best(self, groups: list[list[int]], exchanges: list[str]
+                       ) -> tuple[list[list[int]], list[str]]:
+        """The plan search's kept trial as it ran, in place of the model's plan for its
+        overhead (``groups``): the profile has moved since, and the model's plan with it."""
+        best = self.search.best
+        if best is None or not best.plan or best.overhead_s != self.search.overhead_s:
+            return groups, exchanges
+        kept = [list(group) for group in best.plan]
+        return kept, [exchanges[0]] * len(kept) if exchanges else []
 
     def _overhead_of(self, candidate: Candidate | None) -> float:
         """The per-group overhead ``candidate`` is planned with: its search's, or for a
