@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from commd.coordinator.exchange_trials import DENSE
+from commd.coordinator.exchange_trials import DENSE, Candidate
 from commd.coordinator.plan_search import FIRST_OVERHEAD_S, TIE, PlanSearch
 from commd.coordinator.replanner import Replanner
 from commd.plan import LinearCost
@@ -167,6 +167,7 @@ def test_the_kept_trial_runs_as_measured_when_the_profile_moved_since() -> None:
         counts.append(len(decision.groups))
     best = replanner.search.best
     assert replanner.search.state == "done" and best is not None and best.groups == 6
+    assert replanner.cost is not None
     model = replanner._plan(replanner.cost, replanner.backward_s, best.overhead_s)[0]
     assert len(model) != 6  # the model alone would now run another plan
     assert decision.groups == [list(group) for group in best.plan], counts
@@ -328,10 +329,67 @@ def test_a_forced_exchange_searches_once_its_ratio_is_settled() -> None:
                           compression="topk:auto:allgather")
     ran = drive_compressed(replanner, lambda kind, g: 0.05 + 0.002 * g, 24)
     assert {kind for kind, _, _ in ran} == {"allgather"}  # never measured against dense
-    assert ran[1][2] == "off" and ran[1][1] > 1  # exploring ratios: no search
+    assert ran[1][2] == "off"  # exploring ratios: no search
     assert replanner.search.state == "done" and ran[-1][1] == 1, ran
     policy = replanner.policy
     assert policy is not None and policy.settled == policy.running
+
+
+def test_the_explored_ratios_run_one_group_each_then_the_chosen_plan_is_searched() -> None:
+    """`topk:auto` compares its explored ratios by their steps: on the same plan (one group,
+    the first plan's), not the model's many groups for one and one group for the other."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2,
+                          compression="topk:auto:allgather")
+    policy = replanner.policy
+    assert policy is not None
+    sizes = len(replanner.sizes_bytes)
+    offsets = [0.002 * (sizes - 1 - i) for i in range(sizes)]
+    decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
+    explored = []
+    for number in range(1, 12):
+        if policy.exploring:
+            explored.append((policy.ratio, len(decision.groups)))
+        decision = replanner.decide([_report(number, 10 * number - 1, decision.version,
+                                             0.05, offsets, GAINS)] * 2)
+        if not policy.exploring and len(decision.groups) > 1:
+            break
+    assert {ratio for ratio, _ in explored} >= {0.1, 0.01}
+    assert all(groups == 1 for _, groups in explored), explored
+    assert not policy.exploring and len(decision.groups) > 1  # the model's plan, to search
+
+
+def test_a_new_ratio_starts_from_the_nearest_searched_plan() -> None:
+    """The per-group overhead a search measured belongs to the node and the job more than to
+    the ratio: a re-solved ratio's trial and search start from the nearest compressed
+    candidate's fastest plan (the same exchange first), where from the model's plan a job
+    searched again after every re-solve. Dense lends and borrows nothing."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=3, compression="topk:auto")
+    policy = replanner.policy
+    assert policy is not None and policy.exploring
+    policy._timed.update({0.1, 0.01})  # exploration over
+    policy._gained.update({0.1, 0.01, 0.001})
+    assert not policy.exploring
+
+    def searched(overheads_steps: list[tuple[float, float]]) -> PlanSearch:
+        search = PlanSearch()
+        for overhead, step in overheads_steps:
+            search.overhead_s = overhead
+            search.observe([[0], [1], [2]], step, 1e-4, lambda o: [[0, 1, 2]])
+        return search
+
+    replanner._searches = {
+        Candidate("allgather", 0.025): searched([(0.0, 0.070), (0.004, 0.060), (0.016, 0.065)]),
+        Candidate("allreduce", 0.05): searched([(0.0, 0.050), (0.064, 0.080)]),
+        DENSE: searched([(0.0, 0.040)]),
+    }
+    assert replanner._overhead_of(Candidate("allgather", 0.05)) == 0.004  # its fastest so far
+    assert replanner._overhead_of(Candidate("allreduce", 0.01)) == 0.0  # allreduce's fastest
+    replanner._searches.pop(Candidate("allreduce", 0.05))
+    assert replanner._overhead_of(Candidate("allreduce", 0.01)) == 0.004  # the nearest other
+    replanner._searches[DENSE] = searched([(0.0, 0.050), (0.016, 0.040)])
+    assert replanner._overhead_of(DENSE) == replanner._searches[DENSE].overhead_s  # its own
+    replanner._searches.pop(Candidate("allgather", 0.025))
+    assert replanner._overhead_of(Candidate("allgather", 0.05)) == 0.0  # not dense's
 
 
 def test_drift_replans_switch_only_for_a_predicted_gain() -> None:

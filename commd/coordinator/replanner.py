@@ -16,7 +16,7 @@ from commd.compression.planning import compressed_cost, link_cost
 from commd.compression.topk import parse_compression
 from commd.coordinator.compression_policy import CompressionPolicy
 from commd.coordinator.exchange_trials import DENSE, Candidate
-from commd.coordinator.plan_search import PlanSearch
+from commd.coordinator.plan_search import MAX_OVERHEAD_S, PlanSearch
 from commd.plan import LinearCost, evaluate, plan_with
 from commd.plan.fitting import (
     allreduce_terms,
@@ -189,11 +189,37 @@ class Replanner:
             return self.search.overhead_s
         if candidate is None:
             return 0.0
+        if self.policy.exploring and candidate.exchange != "dense":
+            # `topk:auto`'s explored ratios are compared by their steps, so each runs one
+            # group, the first plan's: 0.01 run as the model's 8 groups measured 81 ms and
+            # 0.1 in one group 80, where one group each runs 51 and 80, and the pick went
+            # to 0.1. The chosen ratio's plan is searched after.
+            return MAX_OVERHEAD_S
         search = self._searches.get(candidate)
         lender = self.policy.trials.lender(candidate)
         if search is None and lender is not None:
             search = self._searches.get(lender)
+        if search is None and candidate.exchange != "dense":
+            return self._nearest_searched_overhead(candidate)
         return search.overhead_s if search is not None else 0.0
+
+    def _nearest_searched_overhead(self, candidate: Candidate) -> float:
+        """The overhead of the fastest plan measured so far for the nearest compressed
+        candidate (the same exchange first, then the nearest ratio), else 0. The per-group
+        cost a search measures (selections competing with the backward pass for the cores,
+        wake-ups) belongs to the node and the job more than to the ratio: a new ratio's
+        trial and search start from it, where from the model's plan a `topk:auto` job spent
+        its steps searching again after each ratio re-solve (0.025 → 0.048: 7 groups again,
+        68 ms a step where the search had reached 2 groups at 60)."""
+        searched = [(c, s.best) for c, s in self._searches.items()
+                    if c.exchange != "dense" and s.best is not None]
+        if not searched:
+            return 0.0
+        _, best = min(searched, key=lambda item: (
+            item[0].exchange != candidate.exchange,
+            abs(np.log(item[0].ratio / candidate.ratio)), item[0]))
+        assert best is not None
+        return best.overhead_s
 
     def _search(self, reports: Sequence[PeerProfile], cost: LinearCost,
                 backward: list[float]) -> str:
