@@ -413,52 +413,77 @@ def iterations_for(mode: str, args: argparse.Namespace) -> tuple[int, int]:
 
 
 def measure(harness: Harness, layers: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Each rate's modes, ``--repeats`` times in turn (A B C A B C: the machine's load drifts
+    over seconds, so a mode measured only after the others would see other conditions); a
+    mode's row pools its repeats' measured iterations."""
     args = harness.args
     rows = []
     for rate in args.rates:
         harness.bed.set_rate(_tc_rate(rate))
-        for mode in args.modes:
-            warmup, measured = iterations_for(mode, args)
-            job = harness.job_name()
-            began = time.monotonic()
-            outcome = run_job(
-                harness.bed,
-                harness.daemons,
-                harness.workdir,
-                job,
-                mode,
-                layers,
-                args,
-                warmup + measured,
-            )
-            times = [r["times"][warmup:] for r in outcome["results"]]
-            per_iteration = np.max(np.array(times), axis=0) * 1e3  # the slowest rank
-            final = outcome["finals"][0] or {}
-            agree = all(
-                f is not None
-                and (f["exchanges"], f["ratio"]) == (final.get("exchanges"), final.get("ratio"))
-                for f in outcome["finals"]
-            )
-            row = {
-                "rate": rate,
-                "mode": mode,
-                "job": job,
-                "median_ms": float(np.median(per_iteration)),
-                "p10_ms": float(np.percentile(per_iteration, 10)),
-                "p90_ms": float(np.percentile(per_iteration, 90)),
-                "warmup": warmup,
-                "measured": measured,
-                "wall_s": time.monotonic() - began,
-                "final": {k: v for k, v in final.items() if k != "groups"},
-                "groups": len(final.get("groups") or []),
-                "nodes_agree": agree,
-                "history": outcome["history"],
-                "prediction": predictions(final, layers, harness.bed.nodes) if final else {},
-            }
-            rows.append(row)
-            if not args.json:
-                print(_progress(row), flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+        for _ in range(args.repeats):
+            for mode in args.modes:
+                run = run_mode(harness, layers, rate, mode)
+                runs[mode].append(run)
+                if not args.json:
+                    print(_progress(run), flush=True)
+        rows += [pooled(mode_runs) for mode_runs in runs.values()]
     return rows
+
+
+def run_mode(
+    harness: Harness, layers: list[tuple[str, int]], rate: str, mode: str
+) -> dict[str, Any]:
+    """One job of ``mode`` at ``rate``: its measured iterations (the slowest rank's) and
+    node 0's final state."""
+    args = harness.args
+    warmup, measured = iterations_for(mode, args)
+    job = harness.job_name()
+    began = time.monotonic()
+    outcome = run_job(
+        harness.bed, harness.daemons, harness.workdir, job, mode, layers, args, warmup + measured
+    )
+    times = [r["times"][warmup:] for r in outcome["results"]]
+    per_iteration = np.max(np.array(times), axis=0) * 1e3  # the slowest rank
+    final = outcome["finals"][0] or {}
+    agree = all(
+        f is not None
+        and (f["exchanges"], f["ratio"]) == (final.get("exchanges"), final.get("ratio"))
+        for f in outcome["finals"]
+    )
+    return {
+        "rate": rate,
+        "mode": mode,
+        "job": job,
+        "iterations_ms": per_iteration.tolist(),
+        "median_ms": float(np.median(per_iteration)),
+        "warmup": warmup,
+        "measured": measured,
+        "wall_s": time.monotonic() - began,
+        "final": {k: v for k, v in final.items() if k != "groups"},
+        "groups": len(final.get("groups") or []),
+        "nodes_agree": agree,
+        "history": outcome["history"],
+        "prediction": predictions(final, layers, harness.bed.nodes) if final else {},
+    }
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of a mode's repeats: the median and percentiles over all their measured
+    iterations, each repeat's median, and the last repeat's final state and plan history."""
+    every = np.concatenate([np.array(run["iterations_ms"]) for run in runs])
+    row = {k: v for k, v in runs[-1].items() if k != "iterations_ms"}
+    row.update(
+        median_ms=float(np.median(every)),
+        p10_ms=float(np.percentile(every, 10)),
+        p90_ms=float(np.percentile(every, 90)),
+        repeat_ms=[run["median_ms"] for run in runs],
+        jobs=[run["job"] for run in runs],
+        measured=int(every.size),
+        wall_s=sum(run["wall_s"] for run in runs),
+        nodes_agree=all(run["nodes_agree"] for run in runs),
+    )
+    return row
 
 
 def measure_live(
@@ -523,6 +548,13 @@ def measure_live(
     }
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _tc_rate(rate: str) -> str | None:
     return None if rate == "none" else rate
 
@@ -578,10 +610,9 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
     if rows:
         lines += [
             "",
-            "| rate | compression | median ms | p10–p90 ms | groups | ratio | exchanges chosen | "
-            + NETWORK_HEADER[0]
-            + " |",
-            "|---|---|---:|---:|---:|---:|---|" + NETWORK_HEADER[1] + "|",
+            "| rate | compression | median ms | each repeat ms | p10–p90 ms | groups | ratio | "
+            "exchanges chosen | " + NETWORK_HEADER[0] + " |",
+            "|---|---|---:|---:|---:|---:|---:|---|" + NETWORK_HEADER[1] + "|",
         ]
     for row in rows:
         final = row["final"]
@@ -591,6 +622,7 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
             chosen += " (nodes DISAGREE)"
         lines.append(
             f"| {row['rate']} | {row['mode']} | {row['median_ms']:.1f} | "
+            f"{' / '.join(f'{ms:.1f}' for ms in row['repeat_ms'])} | "
             f"{row['p10_ms']:.1f}–{row['p90_ms']:.1f} | {row['groups']} | {ratio} | {chosen} | "
             f"{_network(final, row['prediction'])} |"
         )
@@ -717,6 +749,12 @@ def main(argv: list[str] | None = None) -> int:
         "at the Pareto pick: in force by iteration 82)",
     )
     parser.add_argument("--iterations", type=int, default=20, help="measured iterations")
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=1,
+        help="jobs per mode and rate, the modes in turn; a row pools its jobs' iterations",
+    )
     parser.add_argument(
         "--dense-iterations", type=int, default=10, help="measured iterations without compression"
     )
