@@ -47,6 +47,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from commd.cli.profile import positive_int
 from commd.compression.topk import parse_compression
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import stop_process
@@ -548,13 +549,6 @@ def measure_live(
     }
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _tc_rate(rate: str) -> str | None:
     return None if rate == "none" else rate
 
@@ -751,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=20, help="measured iterations")
     parser.add_argument(
         "--repeats",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="jobs per mode and rate, the modes in turn; a row pools its jobs' iterations",
     )

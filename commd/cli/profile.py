@@ -46,7 +46,7 @@ examples:
 """
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -72,13 +72,13 @@ def register_command(subparsers: Any) -> None:
     # No `choices=`: an unknown model gets commd's one-line message listing the valid ones.
     p.add_argument("--model", required=True, metavar="NAME", help="model to profile (see below)")
     p.add_argument(
-        "--batch-size", type=_positive, default=8, metavar="N", help="per-process batch (8)"
+        "--batch-size", type=positive_int, default=8, metavar="N", help="per-process batch (8)"
     )
     p.add_argument(
-        "--seq-len", type=_positive, default=128, metavar="N", help="bert_base tokens (128)"
+        "--seq-len", type=positive_int, default=128, metavar="N", help="bert_base tokens (128)"
     )
     p.add_argument(
-        "--iterations", type=_positive, default=5, metavar="N", help="measured iterations (5)"
+        "--iterations", type=positive_int, default=5, metavar="N", help="measured iterations (5)"
     )
     p.add_argument(
         "--warmup", type=_non_negative, default=1, metavar="N", help="unmeasured iterations (1)"
