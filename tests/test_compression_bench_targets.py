@@ -1,0 +1,64 @@
+"""bench/compression.py's target table: each auto row judged against the right baseline, with
+the noise its baselines' repeats showed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_compression", ROOT / "bench" /
+                                                  "compression.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_compression", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def row(mode: str, repeats: list[float], rate: str = "1gbit") -> dict[str, Any]:
+    return {"rate": rate, "mode": mode, "median_ms": sorted(repeats)[len(repeats) // 2],
+            "repeat_ms": repeats}
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    table = [line for line in bench._targets(rows) if line.startswith("| 1gbit")]
+    return {cells[1]: cells[2:] for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in table)}
+
+
+def test_auto_within_five_percent_of_the_better_forced_exchange_is_met() -> None:
+    got = verdicts([row("none", [120, 120, 120]), row("topk:0.01:allgather", [16, 16, 16]),
+                    row("topk:0.01:allreduce", [15, 15, 15]),
+                    row("topk:0.01:auto", [15.7, 15.7, 15.7])])
+    assert got["topk:0.01:auto"] == ["0.13", "1.05", "0 %", "met"]
+
+
+def test_a_gap_the_baselines_own_repeats_show_is_within_noise_and_a_wider_one_is_not() -> None:
+    baselines = [row("none", [120, 121, 119]), row("topk:0.01:allgather", [16, 16, 16]),
+                 row("topk:0.01:allreduce", [14, 15, 16])]  # 14 % apart
+    within = verdicts([*baselines, row("topk:0.01:auto", [17, 17, 17])])
+    assert within["topk:0.01:auto"][2:] == ["14 %", "within noise"]
+    beyond = verdicts([*baselines, row("topk:0.01:auto", [19, 19, 19])])
+    assert beyond["topk:0.01:auto"][3] == "NOT met"
+
+
+def test_topk_auto_is_held_to_dense_not_to_the_forced_ratio() -> None:
+    got = verdicts([row("none", [20, 20, 20]), row("topk:0.01:allgather", [15, 15, 15]),
+                    row("topk:auto", [20.5, 20.5, 20.5])])
+    assert got["topk:auto"] == ["1.02", "1.37", "0 %", "met"]
+    slower = verdicts([row("none", [20, 20, 20]), row("topk:auto", [22, 22, 22])])
+    assert slower["topk:auto"][3] == "NOT met"
+
+
+def test_a_rate_without_a_dense_row_has_no_verdict() -> None:
+    assert bench._targets([row("topk:0.01:allgather", [15]), row("topk:0.01:auto", [15])]) == []
