@@ -8,7 +8,17 @@ from collections.abc import Callable
 
 import pytest
 
-from commd.compression.planning import GainModel, fit_gain, pick_ratio
+from commd.compression.planning import (
+    EXPLORE_RATIOS,
+    TIMED_RATIOS,
+    GainModel,
+    fit_gain,
+    pick_ratio,
+)
+from commd.compression.topk import parse_compression
+from commd.coordinator.compression_policy import CompressionPolicy, reachable_steps
+from commd.coordinator.exchange_trials import Candidate
+from commd.plan import LinearCost
 
 # Gains top-k had on bench/ddp_compare.py's task with momentum correction (steps 30-150,
 # top-k of E over the whole model): a thousandth sends a hundredth of E, a tenth a third.
@@ -58,3 +68,35 @@ def test_the_pick_does_not_depend_on_the_units(scale: float) -> None:
     scaled = GainModel(model.c0 + math.log(scale), model.c1)  # 1/gain times ``scale``
     ratio, _ = pick_ratio(lambda r: 1000 * measured(0.037, 0.050)(r), scaled)
     assert ratio == pytest.approx(base)
+
+
+def test_a_ratio_measured_slower_than_a_larger_one_is_left_out_of_the_time_curve() -> None:
+    steps = {0.01: 0.0417, 0.0129: 0.070, 0.05: 0.060, 0.1: 0.0635}
+    # 0.0129 ran slower than 0.1 (its plan, not its ratio); 0.05 below 0.1 is kept
+    assert reachable_steps(steps) == {0.01: 0.0417, 0.05: 0.060, 0.1: 0.0635}
+    assert reachable_steps({0.01: 0.05, 0.1: 0.04}) == {0.1: 0.04}
+    assert reachable_steps({}) == {}
+
+
+def policy_after_exploring(latest: dict[float, float]) -> CompressionPolicy:
+    """A 2-node `topk:auto` policy whose exploration is over, its trials' latest steps."""
+    spec = parse_compression("topk:auto")
+    assert spec is not None
+    policy = CompressionPolicy(spec, nodes=2)
+    policy._gained, policy._timed = set(EXPLORE_RATIOS), set(TIMED_RATIOS)
+    policy.gains = policy._spread = [(0.01, 0.145), (0.1, 0.377)]  # settled gains (DDP run)
+    policy.trials.latest = {Candidate("allgather", r): s for r, s in latest.items()}
+    policy.trials.epoch = 1  # a new epoch: the ratio is solved again
+    return policy
+
+
+def test_a_slow_trial_of_a_small_ratio_does_not_push_the_pick_to_the_largest() -> None:
+    """The DDP run at 1 Gbit/s: explored 0.01 (41.7 ms) and 0.1 (63.5 ms) one group each,
+    then 0.0129's trial ran 10 groups at 70 ms; solved again, the ratio went to 0.1 (59 ms a
+    step where the other streams ran 0.03 at 46)."""
+    cost, elements = LinearCost(1e-4, 8e-9), [3_170_000]
+    clean, _ = policy_after_exploring({0.01: 0.0417, 0.1: 0.0635})._choose_ratio(cost, elements)
+    slow, why = policy_after_exploring({0.01: 0.0417, 0.0129: 0.070, 0.1: 0.0635}
+                                       )._choose_ratio(cost, elements)
+    assert 0.02 < clean < 0.08
+    assert slow == pytest.approx(clean), why
