@@ -17,8 +17,9 @@ from commd.compression.planning import (
 )
 from commd.compression.topk import parse_compression
 from commd.coordinator.compression_policy import CompressionPolicy, reachable_steps
-from commd.coordinator.exchange_trials import Candidate
+from commd.coordinator.exchange_trials import DENSE, Candidate
 from commd.plan import LinearCost
+from commd_protocol import PeerProfile
 
 # Gains top-k had on bench/ddp_compare.py's task with momentum correction (steps 30-150,
 # top-k of E over the whole model): a thousandth sends a hundredth of E, a tenth a third.
@@ -100,3 +101,33 @@ def test_a_slow_trial_of_a_small_ratio_does_not_push_the_pick_to_the_largest() -
                                        )._choose_ratio(cost, elements)
     assert 0.02 < clean < 0.08
     assert slow == pytest.approx(clean), why
+
+
+def policy_on_a_gain_miss(dense_s: float) -> tuple[CompressionPolicy, Candidate]:
+    """A `topk:auto` policy solved at 0.02 (model gain 0.75) whose epoch measured dense at
+    ``dense_s``, now running allgather@0.02; its previous round's gain was 0.22."""
+    policy = policy_after_exploring({0.01: 0.040, 0.1: 0.048})
+    running = Candidate("allgather", 0.02)
+    policy.ratio, policy.running = 0.02, running
+    policy._solved_gain, policy._last_gain = 0.75, 0.22
+    policy.trials.measured = {DENSE: dense_s}
+    return policy, running
+
+
+def gain_round(step_s: float) -> list[PeerProfile]:
+    return [PeerProfile(job="j", round=9, iteration=90, gains=[[0.02, 0.21]], plan=5,
+                        step_s=step_s) for _ in range(2)]
+
+
+def test_a_gain_miss_reopens_the_trials_unless_dense_measured_faster() -> None:
+    """Loopback: dense measured 46 ms this epoch, allgather@0.02 runs 48; a larger ratio
+    cannot beat dense, so the miss does not start the trials again (they ran on into the
+    measured steps); where dense measured slower it does."""
+    policy, running = policy_on_a_gain_miss(dense_s=0.046)
+    assert policy.observe(gain_round(0.048), whole_round=True) == ""
+    assert policy.trials.measured[running] == pytest.approx(0.048)
+    assert policy.trials.epoch == 1 and policy.ratio == 0.02
+
+    slower, _ = policy_on_a_gain_miss(dense_s=0.060)
+    why = slower.observe(gain_round(0.048), whole_round=True)
+    assert "gain at ratio 0.02 measured 0.210" in why and slower.trials.epoch == 2

@@ -120,14 +120,22 @@ class CompressionPolicy:
             self._tries[running.ratio] = tries = self._tries.get(running.ratio, 0) + 1
             if whole_round or tries >= EXPLORE_TRIES:  # a round that moves on is no hang
                 self._timed.add(running.ratio)
-        if missed:
-            return self.trials.restart(missed)
-        if not whole_round or running is None:
-            return ""
         steps = [r.step_s for r in reports]
-        if min(steps) <= 0:
+        step_s = float(np.mean(steps)) if whole_round and min(steps) > 0 else 0.0
+        if missed and not self._dense_beats(running, step_s):
+            return self.trials.restart(missed)
+        if not step_s or running is None:
             return ""
-        return self.trials.observe(running, float(np.mean(steps)))
+        return self.trials.observe(running, step_s)
+
+    def _dense_beats(self, running: Candidate | None, step_s: float) -> bool:
+        """Whether dense measured, this epoch, no slower than ``running`` at the solved ratio
+        ran this round. Then a larger ratio, which only runs slower (``reachable_steps``),
+        cannot win either: a gain miss does not re-open the trials (on loopback it did, three
+        rounds before the end of the warm-up, and the trials ran on into the measured steps)."""
+        dense = self.trials.measured.get(DENSE)
+        return (dense is not None and running is not None and running.exchange != "dense"
+                and 0 < dense <= step_s)
 
     def _gain_missed(self, gains: list[tuple[float, float]]) -> str:
         """Why the ratio is to be solved again ("" if not): the gain this round measured at
