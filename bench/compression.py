@@ -401,9 +401,15 @@ class Harness:
         return leaked
 
 
+def picks_its_ratio(mode: str) -> bool:
+    """``topk:auto[:…]``: the job chooses its ratio (explored, then solved)."""
+    spec = parse_compression(mode)
+    return spec is not None and spec.ratio is None
+
+
 def iterations_for(mode: str, args: argparse.Namespace) -> tuple[int, int]:
     """(warm-up, measured): warm-up until the plan measured on the job itself is in force."""
-    if mode == "topk:auto" or mode.startswith("topk:auto:"):
+    if picks_its_ratio(mode):
         return args.warmup_auto, args.iterations
     if mode == "none":
         return args.warmup, args.dense_iterations
@@ -687,7 +693,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
                 continue
             ms = row["median_ms"]
             # topk:auto is held to dense only: its ratio is its own choice, not the forced rows'
-            against = dense if mode == "topk:auto" or mode.startswith("topk:auto:") else best
+            against = dense if picks_its_ratio(mode) else best
             lines.append(f"| {rate} | {mode} | {ms / dense:.2f} | {ms / best:.2f} | "
                          f"{noise * 100:.0f} % | {_verdict(ms / against, noise)} |")
     if not lines:
