@@ -815,7 +815,10 @@ def main(argv: list[str] | None = None) -> int:
         if scenario.strip()
     ]
     for mode in [*args.modes, args.live_mode]:
-        parse_compression(mode)  # a typo fails here, not after the namespaces are up
+        try:
+            parse_compression(mode)  # a typo fails here, not after the namespaces are up
+        except ValueError as exc:
+            parser.error(str(exc))
     ok, why = available()
     if not ok:
         print(f"skipped: {why}")

@@ -9,6 +9,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,3 +64,16 @@ def test_topk_auto_is_held_to_dense_not_to_the_forced_ratio() -> None:
 
 def test_a_rate_without_a_dense_row_has_no_verdict() -> None:
     assert bench._targets([row("topk:0.01:allgather", [15]), row("topk:0.01:auto", [15])]) == []
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--modes", "none,topk:autox"], "compression 'topk:autox' is not understood"),
+    (["--live-mode", "topk:2"], "compression ratio must be in (0, 1], got 2"),
+    (["--repeats", "0"], "must be at least 1, got 0"),
+])
+def test_a_bad_option_is_a_usage_error_before_anything_starts(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
