@@ -53,7 +53,8 @@ def await_others(spec: dict[str, Any], iteration: int) -> None:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": []}
+    out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": [],
+                              "dense": []}
     sleeps = spec.get("backward_sleep_s")  # replay a profile: sleep before each layer's ready
     try:
         with Client(
@@ -82,6 +83,7 @@ def main() -> None:
                     client.ready(index)
                 client.wait()
                 out["plans"].append(client.plan_version)  # type: ignore[union-attr]
+                out["dense"].append(client.ran_dense)  # type: ignore[union-attr]
                 if not spec.get("skip_results"):
                     out["iterations"].append(  # type: ignore[union-attr]
                         [to_float(g, spec["dtype"]) for g in grads]

@@ -56,6 +56,7 @@ def test_exact_against_numpy_through_two_daemons(start_daemon, method: str) -> N
     results = collect(start_ranks(spec))
     for result in results:
         assert "error" not in result, result
+        assert not any(result["dense"]), result["dense"]  # every iteration ran top-k
     # The model: per layer (one group each), nodes sum their two ranks, then exchange.
     residuals = {i: [np.zeros(n, np.float32) for _ in nodes] for i, (_, n) in enumerate(LAYERS)}
     for iteration in range(spec.iterations):
@@ -128,6 +129,11 @@ def test_auto_measures_the_exchanges_and_runs_the_fastest(start_daemon) -> None:
     for result in results:
         assert "error" not in result, result
     assert results[0]["plans"] == results[1]["plans"], (results[0]["plans"], results[1]["plans"])
+    # Whether an iteration ran dense (the DDP wrapper's momentum correction reads it) is the
+    # same on every rank, and each plan version either runs dense or not.
+    assert results[0]["dense"] == results[1]["dense"]
+    by_version = {(v, d) for v, d in zip(results[0]["plans"], results[0]["dense"], strict=True)}
+    assert len(by_version) == len({v for v, _ in by_version}), by_version
     job = results[0]["status"]
     assert job["selection"] == "measured", job
     measured = {c["name"]: c["measured_s"] for c in job["candidates"]

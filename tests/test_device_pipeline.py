@@ -17,7 +17,7 @@ from polling import until
 from commd.engines.base import EngineError
 from commd.engines.buffer_ops import HostOps
 from commd.job.measurements import IterationRecord
-from commd.job.pipeline import Pipeline, make_plan
+from commd.job.pipeline import Pipeline, Plan, make_plan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,7 +81,7 @@ def make(log: list[str], executor: ThreadPoolExecutor, engine: Any = None, op: s
     buffers = [np.zeros(9, np.float32), np.zeros(9, np.float32)]
     seen: dict[str, list[Any]] = {"complete": [], "record": [], "failure": []}
 
-    def on_complete(iteration: int, version: int) -> None:
+    def on_complete(iteration: int, plan: Plan) -> None:
         log.append(f"done {iteration}")
         seen["complete"].append(iteration)
 

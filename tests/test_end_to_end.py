@@ -22,6 +22,7 @@ def assert_exact(spec: JobSpec, results: list[dict]) -> None:
         assert "error" not in result, result
         assert result["returncode"] == 0, result["stderr"]
         assert len(result["iterations"]) == spec.iterations
+        assert result["dense"] == [True] * spec.iterations  # no compression: every one dense
         for iteration, layers in enumerate(result["iterations"]):
             for got, want in zip(layers, expected(spec, iteration), strict=True):
                 np.testing.assert_array_equal(np.array(got), want)

@@ -288,8 +288,11 @@ def test_exit_without_close_releases_the_buffer(nodes) -> None:
 
 
 def _train_in_process(nodes: list[LocalDaemon], job: str, compression: str,
-                      make_optimizer: Any, steps: int = 6) -> tuple[nn.Module, nn.Module]:
-    """One rank through commd with ``compression``, and the same training without DDP."""
+                      make_optimizer: Any, steps: int = 6,
+                      ran_dense: list[bool] | None = None) -> tuple[nn.Module, nn.Module]:
+    """One rank through commd with ``compression``, and the same training without DDP;
+    ``ran_dense`` gets whether each iteration ran dense, and then whether the next one's
+    momentum correction sent velocities."""
     model, reference = build_model("mlp", 7), build_model("mlp", 7)
     with DistributedDataParallel(
         model, job=job, rank=0, world_size=1, local_rank=0, local_world_size=1,
@@ -304,6 +307,12 @@ def _train_in_process(nodes: list[LocalDaemon], job: str, compression: str,
                 opt.zero_grad()
                 loss_of(net, "mlp", 0, x, y).backward()
                 opt.step()
+            if ran_dense is not None:
+                correction = ddp._reducer.correction
+                assert correction is not None
+                dense = ddp._reducer._slots.buckets[0].client.ran_dense
+                assert correction.sending_velocity is not dense  # skips its passes after dense
+                ran_dense.append(dense)
     return model, reference
 
 
@@ -331,6 +340,22 @@ def test_the_correction_keeps_momentum_sgd_exact_with_weight_decay(nodes) -> Non
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
 
     model, reference = _train_in_process(nodes, "ddp-momentum", "topk:1", sgd)
+    for param, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(90)
+def test_the_correction_rests_while_the_daemon_runs_dense(nodes) -> None:
+    """Ratio 1 holds nothing back, so once its plan is searched the daemon runs it dense
+    (iteration ~22 here): from then on each rank hands over its gradients as they are (no
+    velocity passes), and the weights stay momentum SGD's through the switch."""
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=0.01)
+
+    ran_dense: list[bool] = []
+    model, reference = _train_in_process(nodes, "ddp-rests", "topk:1", sgd, steps=45,
+                                         ran_dense=ran_dense)
+    assert not ran_dense[0] and ran_dense[-1], ran_dense  # top-k first, dense at the end
     for param, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
 

@@ -16,6 +16,14 @@ The optimizer, its state dict, learning-rate and momentum schedules stay as they
 decay keeps its momentum, as in momentum SGD. The first backward runs before any optimizer
 step: ``u`` starts at zero, so ``u = g`` there whatever ``m`` turns out to be.
 
+While the daemon runs every group dense it costs nothing: the exchange is exact, so the
+velocities' average is the optimizer's buffer and sending the gradients as they are gives the
+same update (momentum SGD's). Whether an iteration ran dense comes back with its ``done``,
+the same on every rank (all nodes switch plans at one iteration), and decides what the next
+iteration sends: after a dense one the gradients as they are, uncorrected; after a top-k one
+the velocities, started again from the buffer's image ``b`` after dense rounds (the average
+of the ranks' velocities there; only their split between ranks is not followed).
+
 It switches itself off (and says so once) where the invariant cannot hold: another optimizer
 (Adam keeps its own moments), Nesterov or dampening, several momenta, not all of the wrapped
 parameters in one optimizer, or a reduction without a step after it (or a step without one).
@@ -107,35 +115,48 @@ class MomentumCorrection(StepHook):
         self._velocity: list[torch.Tensor | None] = [None] * len(params)
         self._buffer: list[torch.Tensor | None] = [None] * len(params)
         self._reduced = False  # a reduction since the last optimizer step
+        # what this iteration hands over: the velocities (after a top-k iteration) or the
+        # gradients as they are (after a dense one, agreed on every rank)
+        self.sending_velocity = True
+        self._stale = False  # velocities not followed through dense rounds: restart from b
 
     # --- backward: what is sent ----------------------------------------------------------------
 
     def send(self, index: int, view: torch.Tensor) -> None:
         """``view`` holds this rank's gradient, about to be handed to commd: make it the
-        velocity ``m·u + g`` (and remember it)."""
-        if not self.active:
+        velocity ``m·u + g`` (and remember it), unless the last iteration ran dense."""
+        if not self.active or not self.sending_velocity:
             return
         velocity = self._velocity[index]
+        base = self._buffer[index] if self._stale else velocity
         with torch.no_grad():
+            if base is not None:
+                view.add_(base, alpha=self.momentum or 0.0)
             if velocity is None:  # u = 0 before: u = g
                 self._velocity[index] = view.detach().clone()
-                return
-            view.add_(velocity, alpha=self.momentum or 0.0)
-            velocity.copy_(view)
+            else:
+                velocity.copy_(view)
 
-    def received(self) -> None:
-        """Every ``.grad`` holds the reduced velocities ``A``: make it ``A − m·b``."""
+    def received(self, ran_dense: bool = False) -> None:
+        """Every ``.grad`` holds the reduced velocities ``A`` (or gradients, when this
+        iteration sent those): make it ``A − m·b``. ``ran_dense``: every group of this
+        iteration ran dense, so the next one sends its gradients as they are."""
         if not self.active:
             return
         if self._reduced:
             self._off("two gradient reductions without an optimizer step in between")
             return
         self._reduced = True
-        momentum = self.momentum or 0.0
-        with torch.no_grad():
-            for param, buffer in zip(self.params, self._buffer, strict=True):
-                if buffer is not None and param.grad is not None:
-                    param.grad.sub_(buffer, alpha=momentum)
+        if self.sending_velocity:
+            self._stale = False
+            momentum = self.momentum or 0.0
+            with torch.no_grad():
+                for param, buffer in zip(self.params, self._buffer, strict=True):
+                    if buffer is not None and param.grad is not None:
+                        param.grad.sub_(buffer, alpha=momentum)
+        else:
+            self._stale = True  # no velocity this round: the next one starts from b
+        self.sending_velocity = not ran_dense
 
     # --- the optimizer's step ------------------------------------------------------------------
 
@@ -164,8 +185,8 @@ class MomentumCorrection(StepHook):
                 buffer = self._buffer[index]
                 if buffer is None:
                     self._buffer[index] = param.grad.detach().clone()
-                else:
-                    buffer.mul_(self.momentum).add_(param.grad)
+                else:  # b ← m·b + g' in one pass
+                    torch.add(param.grad, buffer, alpha=self.momentum, out=buffer)
 
     def _ineligible(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> str:
         if not isinstance(optimizer, torch.optim.SGD):

@@ -159,7 +159,7 @@ class Reducer:
             if self.after_reduce is not None:
                 self.after_reduce()
             if self.correction is not None:
-                self.correction.received()
+                self.correction.received(all(b.client.ran_dense for b in self._slots.buckets))
         except BaseException as exc:
             self._failure = exc
             raise

@@ -67,6 +67,7 @@ class Client:
         self.timeout = env.timeout(timeout)  # else COMMD_TIMEOUT, else 300 s
         self.iteration = 0
         self.plan_version = 0  # the merge plan the last iteration ran with
+        self.ran_dense = False  # whether every group of it ran dense (False: top-k or unknown)
         self.groups: list[list[int]] = []
         self.nodes = 0
         self._host_buffer: HostBuffer | None = None
@@ -275,6 +276,7 @@ class Client:
             raise CommdError("commd: wait(stream=) is for device buffers")
         self.iteration += 1
         self.plan_version = reply.plan
+        self.ran_dense = reply.dense
         self._marked.clear()
         self._batch.announce(reply.next_plan, reply.next_groups)
         self._batch.next_iteration()

@@ -18,7 +18,7 @@ from commd.engines import Engine
 from commd.engines.buffer_ops import BufferOps
 from commd.job import buffers, replies, setup, validation
 from commd.job.members import Members
-from commd.job.pipeline import Pipeline, PipelineSnapshot, ReadyError, make_plan
+from commd.job.pipeline import Pipeline, PipelineSnapshot, Plan, ReadyError, make_plan
 from commd.job.reporting import Reporter, job_status, join_request
 from commd.job.state import JobContext, JobError, JobState, Liveness, LocalRank
 from commd.job.trace import TraceRecorder
@@ -189,6 +189,7 @@ class Job:
         pipeline = self._running("wait")
         if iteration < pipeline.iteration:
             # Not the plan in force: the next iteration may have switched already.
+            assert pipeline.done_plan is not None, "an earlier iteration has finished"
             reply = replies.done(pipeline, member, iteration, pipeline.done_plan)
             self.ctx.send_client(member.identity, reply)
         elif iteration == pipeline.iteration:
@@ -199,13 +200,13 @@ class Job:
                 ErrorCode.OUT_OF_ORDER,
             )
 
-    def iteration_done(self, iteration: int, plan_version: int) -> None:
+    def iteration_done(self, iteration: int, plan: Plan) -> None:
         """The pipeline finished ``iteration``: answer the ranks that wait for it."""
         assert self.pipeline is not None
         for member in self.members.ranks.values():
             if member.waiting == iteration:
                 member.waiting = None
-                reply = replies.done(self.pipeline, member, iteration, plan_version)
+                reply = replies.done(self.pipeline, member, iteration, plan)
                 self.ctx.send_client(member.identity, reply)
 
     def trace(self, recorder: TraceRecorder) -> None:  # a TraceRequest; JobError unless running

@@ -71,7 +71,7 @@ class Pipeline:
         world_size: int,
         engine: Engine | None,
         executor: Executor,
-        on_complete: Callable[[int, int], None],
+        on_complete: Callable[[int, Plan], None],
         on_record: Callable[[IterationRecord], None],
         on_failure: Callable[[BaseException], None],
         node_index: int = 0,
@@ -102,7 +102,7 @@ class Pipeline:
         self._group_views = GroupViews(self.buffers)
         self.trace: TraceRecorder | None = None  # `commd trace` armed: records iterations
         self.iteration = 0
-        self.done_plan = 0  # the plan version the last finished iteration ran with
+        self.done_plan: Plan | None = None  # the plan the last finished iteration ran with
         self._task: asyncio.Task[None] | None = None
         self._wire_clock = WireClock()
         self._records_clock = StepClock()  # iteration records, with the step time
@@ -200,7 +200,7 @@ class Pipeline:
         gains = (self.compression.end_iteration(plan.exchanges)
                  if self.compression is not None else IterationGains())
         done = self.iteration
-        self.done_plan = plan.version
+        self.done_plan = plan
         self.iteration += 1
         ready_at = self._ready.next_iteration()
         if self.trace is not None:
@@ -208,12 +208,12 @@ class Pipeline:
         if not self.ops.stream_ordered:
             self._on_record(self._records_clock.record(plan, done, ready_at, samples, gains,
                                                        time.monotonic()))
-            self._on_complete(done, plan.version)
+            self._on_complete(done, plan)
             return
         # Device: everything is issued. The clients' streams wait on the done event; the
         # record follows once the device has finished (in order, never blocking the loop).
         self.ops.release()
-        self._on_complete(done, plan.version)
+        self._on_complete(done, plan)
         finished = self.ops.fence()
         previous = self._records
         self._records = asyncio.ensure_future(self._record_when_finished(

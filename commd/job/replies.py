@@ -4,7 +4,7 @@ runs, ``done`` for every iteration. Failures go out through ``Job.fail``."""
 from __future__ import annotations
 
 from commd.engines.buffer_ops import BufferOps
-from commd.job.pipeline import Pipeline
+from commd.job.pipeline import Pipeline, Plan
 from commd.job.state import LocalRank
 from commd_protocol import Done, PeerPlan, PeerSetup, Registered
 
@@ -18,14 +18,15 @@ def registered(setup: PeerSetup, decision: PeerPlan, ops: BufferOps | None) -> R
     )
 
 
-def done(pipeline: Pipeline, member: LocalRank, iteration: int, plan_version: int) -> Done:
-    """The reply to a wait, with the next iteration's groups if this rank lacks them (it
-    batches its ready marks by them)."""
+def done(pipeline: Pipeline, member: LocalRank, iteration: int, plan: Plan) -> Done:
+    """The reply to a wait: the plan ``iteration`` ran with (and whether it ran dense, which
+    the DDP wrapper's momentum correction reads), and the next iteration's groups if this
+    rank lacks them (it batches its ready marks by them)."""
+    ran = Done(iteration=iteration, plan=plan.version, dense=plan.dense)
     upcoming = pipeline.upcoming_plan(iteration + 1)
     if upcoming is None:
-        return Done(iteration=iteration, plan=plan_version)
-    groups = None
+        return ran
+    ran.next_plan = upcoming.version
     if member.told_plan != upcoming.version:
-        member.told_plan, groups = upcoming.version, upcoming.groups
-    return Done(iteration=iteration, plan=plan_version, next_plan=upcoming.version,
-                next_groups=groups)
+        member.told_plan, ran.next_groups = upcoming.version, upcoming.groups
+    return ran

@@ -26,6 +26,11 @@ class Plan:
     ratio: float  # top-k ratio of the compressed groups
     cost: tuple[float, float] = (0.0, 0.0)  # a (s), b (s/byte) the plan was made with
 
+    @property
+    def dense(self) -> bool:
+        """No group of this plan runs top-k."""
+        return all(exchange == "dense" for exchange in self.exchanges)
+
 
 def make_plan(version: int, groups: Sequence[Sequence[int]], sizes: Sequence[int],
               exchanges: Sequence[str] = (), ratio: float = 0.0,

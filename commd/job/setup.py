@@ -19,7 +19,7 @@ from commd.engines import Engine, EngineConfig, EngineError, create_engine
 from commd.engines.buffer_ops import BufferOps
 from commd.job.measurements import PROBE_ELEMENTS, PROBE_REPEATS
 from commd.job.members import Members
-from commd.job.pipeline import Pipeline
+from commd.job.pipeline import Pipeline, Plan
 from commd.job.reporting import Reporter
 from commd.job.state import JobContext, Liveness
 from commd_protocol import ErrorCode, PeerSetup
@@ -50,7 +50,7 @@ class Starting(Protocol):
     @property
     def coordinator_host(self) -> str: ...
 
-    def iteration_done(self, iteration: int, plan_version: int) -> None: ...
+    def iteration_done(self, iteration: int, plan: Plan) -> None: ...
 
     def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None: ...
 

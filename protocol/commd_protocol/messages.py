@@ -121,6 +121,8 @@ class Done(_Msg, tag="done"):
     next_plan: int = 0  # the version the next iteration will run with (0: not decided yet)
     next_groups: list[list[int]] | None = None  # that plan's groups, when this rank has not
     # been told them yet; a hint for batching ready marks, never needed for correctness
+    dense: bool = False  # every group of this iteration ran dense (no top-k): the same on
+    # every node, since all switch plans at one iteration; False where unknown (old daemons)
 
 
 class Error(_Msg, tag="error"):

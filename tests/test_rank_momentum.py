@@ -1,0 +1,105 @@
+"""The DDP wrapper's momentum correction on its own (no daemon): what each iteration hands
+over after dense and top-k iterations, against torch's momentum SGD.
+
+One rank and an exact exchange stand in for commd here: the reduced ``.grad`` is exactly
+what was handed over. With an exact exchange every update must be momentum SGD's, whatever
+the daemon reported as dense; what the reports change is the work on the rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from commd_client._torch_momentum import MomentumCorrection
+
+MOMENTUM = 0.9
+
+
+def _params(seed: int) -> list[nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((4, 3), (3,))]
+
+
+def _gradients(step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(shape, generator=generator) for shape in ((4, 3), (3,))]
+
+
+Tensors = list[torch.Tensor]
+
+
+def _train(ran_dense: list[bool], weight_decay: float = 0.0
+           ) -> tuple[list[Tensors], list[nn.Parameter], list[nn.Parameter], list[Tensors]]:
+    """Iterations whose ``done`` reported ``ran_dense[t]``. Returns what each iteration handed
+    over, the corrected parameters, momentum SGD's, and the optimizer's momentum buffers
+    before each iteration."""
+    params, reference = _params(0), _params(0)
+    correction = MomentumCorrection(params)
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM, weight_decay=weight_decay)
+    plain = torch.optim.SGD(reference, lr=0.05, momentum=MOMENTUM, weight_decay=weight_decay)
+    handed: list[Tensors] = []
+    buffers: list[Tensors] = []
+    try:
+        for step, dense in enumerate(ran_dense):
+            buffers.append([optimizer.state[p]["momentum_buffer"].clone()
+                            if p in optimizer.state else torch.zeros_like(p) for p in params])
+            sent = []
+            for index, (param, gradient) in enumerate(zip(params, _gradients(step), strict=True)):
+                view = gradient.clone()
+                correction.send(index, view)
+                sent.append(view.clone())
+                param.grad = view  # the exact exchange of one rank: A is what was handed over
+            correction.received(dense)
+            optimizer.step()
+            for param, gradient in zip(reference, _gradients(step), strict=True):
+                param.grad = gradient.clone()
+            plain.step()
+            handed.append(sent)
+        assert correction.active
+    finally:
+        correction.close()
+    return handed, params, reference, buffers
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_an_exact_exchange_gives_momentum_sgd_whatever_ran_dense(weight_decay: float) -> None:
+    pattern = [False, True, True, True, False, False, True, False, False]
+    _, params, reference, _ = _train(pattern, weight_decay)
+    for param, want in zip(params, reference, strict=True):
+        torch.testing.assert_close(param, want, atol=1e-6, rtol=1e-6)
+
+
+def test_after_a_dense_iteration_the_gradients_go_as_they_are() -> None:
+    """No passes while the daemon runs dense: what is handed over is the gradient itself."""
+    pattern = [False, True, True, False, False]
+    handed, _, _, _ = _train(pattern)
+    for step in (2, 3):  # the iterations after a dense one
+        for sent, gradient in zip(handed[step], _gradients(step), strict=True):
+            torch.testing.assert_close(sent, gradient, atol=0, rtol=0)
+    # After a top-k iteration (iteration 0 has none before it) the velocity goes: m·u + g.
+    for sent, gradient in zip(handed[1], _gradients(1), strict=True):
+        assert not torch.equal(sent, gradient)
+
+
+def test_the_velocity_restarts_from_the_optimizers_buffer_after_dense_rounds() -> None:
+    """Iteration 3 ran top-k after dense ones, so iteration 4 sends m·b + g, where b is the
+    optimizer's momentum buffer (no weight decay here): the average of the velocities the
+    ranks would hold had they been followed through the dense rounds."""
+    pattern = [False, True, True, False, False, False]
+    handed, _, _, buffers = _train(pattern)
+    for step in (4, 5):
+        for sent, gradient, buffer in zip(handed[step], _gradients(step), buffers[step],
+                                          strict=True):
+            torch.testing.assert_close(sent, MOMENTUM * buffer + gradient, atol=1e-6, rtol=1e-6)
+
+
+def test_top_k_iterations_alone_send_velocities_throughout() -> None:
+    """Never dense: every iteration after the first hands over m·u + g (u: what it sent)."""
+    pattern = [False] * 5
+    handed, _, _, _ = _train(pattern)
+    for step in range(1, 5):
+        for sent, before, gradient in zip(handed[step], handed[step - 1], _gradients(step),
+                                          strict=True):
+            torch.testing.assert_close(sent, MOMENTUM * before + gradient, atol=1e-6, rtol=1e-6)
