@@ -30,19 +30,22 @@ def _gradients(step: int) -> list[torch.Tensor]:
 Tensors = list[torch.Tensor]
 
 
-def _train(ran_dense: list[bool], weight_decay: float = 0.0
+def _train(ran_dense: list[bool], weight_decay: float = 0.0, decay_from: int = 0
            ) -> tuple[list[Tensors], list[nn.Parameter], list[nn.Parameter], list[Tensors]]:
-    """Iterations whose ``done`` reported ``ran_dense[t]``. Returns what each iteration handed
-    over, the corrected parameters, momentum SGD's, and the optimizer's momentum buffers
-    before each iteration."""
+    """Iterations whose ``done`` reported ``ran_dense[t]``, with ``weight_decay`` from
+    iteration ``decay_from`` on. Returns what each iteration handed over, the corrected
+    parameters, momentum SGD's, and the optimizer's momentum buffers before each iteration."""
     params, reference = _params(0), _params(0)
     correction = MomentumCorrection(params)
-    optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM, weight_decay=weight_decay)
-    plain = torch.optim.SGD(reference, lr=0.05, momentum=MOMENTUM, weight_decay=weight_decay)
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM)
+    plain = torch.optim.SGD(reference, lr=0.05, momentum=MOMENTUM)
     handed: list[Tensors] = []
     buffers: list[Tensors] = []
     try:
         for step, dense in enumerate(ran_dense):
+            if step == decay_from:
+                for group in (*optimizer.param_groups, *plain.param_groups):
+                    group["weight_decay"] = weight_decay
             buffers.append([optimizer.state[p]["momentum_buffer"].clone()
                             if p in optimizer.state else torch.zeros_like(p) for p in params])
             sent = []
@@ -63,10 +66,13 @@ def _train(ran_dense: list[bool], weight_decay: float = 0.0
     return handed, params, reference, buffers
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_an_exact_exchange_gives_momentum_sgd_whatever_ran_dense(weight_decay: float) -> None:
+@pytest.mark.parametrize(("weight_decay", "decay_from"), [(0.0, 0), (0.01, 0), (0.01, 3)])
+def test_an_exact_exchange_gives_momentum_sgd_whatever_ran_dense(
+        weight_decay: float, decay_from: int) -> None:
+    """Without weight decay the optimizer's buffer is b; with it (from the start, or from a
+    later step on, when b is taken over from the buffer) b is followed on the rank."""
     pattern = [False, True, True, True, False, False, True, False, False]
-    _, params, reference, _ = _train(pattern, weight_decay)
+    _, params, reference, _ = _train(pattern, weight_decay, decay_from)
     for param, want in zip(params, reference, strict=True):
         torch.testing.assert_close(param, want, atol=1e-6, rtol=1e-6)
 
@@ -103,3 +109,50 @@ def test_top_k_iterations_alone_send_velocities_throughout() -> None:
         for sent, before, gradient in zip(handed[step], handed[step - 1], _gradients(step),
                                           strict=True):
             torch.testing.assert_close(sent, MOMENTUM * before + gradient, atol=1e-6, rtol=1e-6)
+
+
+def test_maximize_turns_the_correction_off() -> None:
+    """SGD(maximize=True) keeps −g' in its buffer: the correction would push the wrong way."""
+    params = _params(0)
+    correction = MomentumCorrection(params)
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM, maximize=True)
+    for index, (param, gradient) in enumerate(zip(params, _gradients(0), strict=True)):
+        correction.send(index, gradient)
+        param.grad = gradient
+    correction.received()
+    optimizer.step()
+    assert not correction.active
+
+
+@pytest.mark.parametrize(("weight_decay", "decay_from"), [(0.0, 0), (0.01, 0), (0.01, 3)])
+def test_a_lossy_exchange_leaves_the_optimizer_buffer_at_a_plus_weight_decays_momentum(
+        weight_decay: float, decay_from: int) -> None:
+    """DGC's invariant, where b matters: after an iteration that sent velocities, the
+    optimizer's momentum buffer is what commd returned, ``A``, plus weight decay's own
+    momentum ``W ← m·W + wd·p``. The exchange here returns half of what was handed over."""
+    pattern = [False, False, True, True, False, False, False, True, False, False]
+    params = _params(0)
+    correction = MomentumCorrection(params)
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM)
+    decay = [torch.zeros_like(p) for p in params]  # W
+    try:
+        for step, dense in enumerate(pattern):
+            if step == decay_from:
+                optimizer.param_groups[0]["weight_decay"] = weight_decay
+            decayed = optimizer.param_groups[0]["weight_decay"]
+            returned = []
+            for index, (param, gradient) in enumerate(zip(params, _gradients(step), strict=True)):
+                view = gradient.clone()
+                correction.send(index, view)
+                param.grad = 0.5 * view
+                returned.append(param.grad.clone())
+                decay[index] = MOMENTUM * decay[index] + decayed * param.detach()
+            correction.received(dense)
+            optimizer.step()
+            if step == 0 or not pattern[step - 1]:  # velocities went
+                for param, reduced, kept in zip(params, returned, decay, strict=True):
+                    torch.testing.assert_close(optimizer.state[param]["momentum_buffer"],
+                                               reduced + kept, atol=1e-6, rtol=1e-5)
+        assert correction.active
+    finally:
+        correction.close()

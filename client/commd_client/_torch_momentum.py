@@ -12,6 +12,10 @@ with momentum ``m`` (dampening 0, no Nesterov), each rank
   optimizer's momentum buffer holds (less weight decay's part), so the optimizer's own
   momentum step ``b ← m·b + g'`` makes it ``A``: the update is ``lr·A``, DGC's.
 
+Without weight decay ``b`` is the optimizer's momentum buffer itself, read where it lies
+(no copy, no pass); once a step has weight decay, ``b`` is followed here in torch's step
+pre-hook (``b ← m·b + g'``, one pass), starting from the buffer as it is then.
+
 The optimizer, its state dict, learning-rate and momentum schedules stay as they are; weight
 decay keeps its momentum, as in momentum SGD. The first backward runs before any optimizer
 step: ``u`` starts at zero, so ``u = g`` there whatever ``m`` turns out to be.
@@ -113,6 +117,9 @@ class MomentumCorrection(StepHook):
         self.momentum: float | None = None  # None: no optimizer step seen yet
         self.active = True
         self._velocity: list[torch.Tensor | None] = [None] * len(params)
+        # b: the optimizer's buffers (read in place), or, once weight decay is seen, our own
+        self._optimizer: weakref.ReferenceType[torch.optim.Optimizer] | None = None
+        self._own_image = False
         self._buffer: list[torch.Tensor | None] = [None] * len(params)
         self._reduced = False  # a reduction since the last optimizer step
         # what this iteration hands over: the velocities (after a top-k iteration) or the
@@ -128,7 +135,7 @@ class MomentumCorrection(StepHook):
         if not self.active or not self.sending_velocity:
             return
         velocity = self._velocity[index]
-        base = self._buffer[index] if self._stale else velocity
+        base = self._image(index) if self._stale else velocity
         with torch.no_grad():
             if base is not None:
                 view.add_(base, alpha=self.momentum or 0.0)
@@ -151,7 +158,8 @@ class MomentumCorrection(StepHook):
             self._stale = False
             momentum = self.momentum or 0.0
             with torch.no_grad():
-                for param, buffer in zip(self.params, self._buffer, strict=True):
+                for index, param in enumerate(self.params):
+                    buffer = self._image(index)
                     if buffer is not None and param.grad is not None:
                         param.grad.sub_(buffer, alpha=momentum)
         else:
@@ -178,6 +186,15 @@ class MomentumCorrection(StepHook):
             return
         self._reduced = False
         self.momentum = float(groups[0]["momentum"])
+        self._optimizer = weakref.ref(optimizer)
+        if not self._own_image and any(g.get("weight_decay", 0.0) for g in groups):
+            # weight decay enters the optimizer's buffer but not A: b is ours from here on,
+            # starting from the buffer as it is (no weight decay in it yet)
+            self._buffer = [None if b is None else b.detach().clone()
+                            for b in map(self._image, range(len(self.params)))]
+            self._own_image = True
+        if not self._own_image:
+            return
         with torch.no_grad():
             for index, param in enumerate(self.params):
                 if param.grad is None:
@@ -187,6 +204,15 @@ class MomentumCorrection(StepHook):
                     self._buffer[index] = param.grad.detach().clone()
                 else:  # b ← m·b + g' in one pass
                     torch.add(param.grad, buffer, alpha=self.momentum, out=buffer)
+
+    def _image(self, index: int) -> torch.Tensor | None:
+        """``b`` of parameter ``index``: ours, or the optimizer's buffer (None before its
+        first step)."""
+        if self._own_image:
+            return self._buffer[index]
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        state = optimizer.state.get(self.params[index]) if optimizer is not None else None
+        return state.get("momentum_buffer") if state else None
 
     def _ineligible(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> str:
         if not isinstance(optimizer, torch.optim.SGD):
@@ -198,6 +224,8 @@ class MomentumCorrection(StepHook):
             return "SGD runs with momentum 0"
         if any(g.get("nesterov") or g.get("dampening", 0.0) for g in groups):
             return "SGD runs with Nesterov momentum or dampening"
+        if any(g.get("maximize") for g in groups):  # its buffer follows −g'
+            return "SGD runs with maximize=True"
         held = {id(p) for g in groups for p in g["params"]}
         if not self._ids <= held:
             return "the optimizer holds only some of the wrapped parameters"
@@ -211,4 +239,5 @@ class MomentumCorrection(StepHook):
         self.active = False
         self._velocity = [None] * len(self.params)
         self._buffer = [None] * len(self.params)
+        self._optimizer = None
         self.close()
