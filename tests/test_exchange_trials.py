@@ -112,6 +112,42 @@ def test_a_choice_made_on_a_lucky_trial_is_measured_again_once() -> None:
     assert trials.chosen == DENSE and trials.epoch == 1
 
 
+def test_a_runner_up_on_its_searched_plan_is_chosen_again_without_new_trials() -> None:
+    """Loopback, as logged: dense chosen and searched (one group, 54.4 ms); AG's model plan
+    (86.6 ms) gets a round on dense's plan and wins it by luck (50 ms), then runs 64: dense's
+    step came from its searched plan, so dense runs again at once, no new epoch."""
+    trials = ExchangeTrials()
+    predicted = {DENSE: 0.05, AG: 0.06}
+    run_trials(trials, predicted, {DENSE: 0.0699, AG: 0.0866}, rounds=3)
+    assert trials.chosen == DENSE
+    assert "measuring those again" in trials.replanned(DENSE, 0.0544)
+    assert trials.next(predicted)[0] == AG
+    trials.observe(AG, 0.050)
+    assert trials.next(predicted)[0] == AG and trials.chosen == AG
+    whys = [trials.observe(AG, 0.064) for _ in range(RETRIAL_ROUNDS)]
+    assert whys == [""] * RETRIAL_ROUNDS and trials.chosen == DENSE and trials.epoch == 0
+    candidate, why = trials.next(predicted)
+    assert candidate == DENSE and "dense measured 54.4 on its searched plan" in why, why
+    assert trials.reference_s == pytest.approx(0.0544)
+    assert trials.next(predicted) == (DENSE, "")  # said once
+    # Once per epoch, as the measuring again it replaces: dense slower now changes nothing.
+    assert all(trials.observe(DENSE, 0.070) == "" for _ in range(2 * RETRIAL_ROUNDS))
+    assert trials.chosen == DENSE and trials.epoch == 0
+
+
+def test_the_runner_up_is_a_candidate_of_now_not_an_explored_ratio() -> None:
+    """An explored ratio's round (0.01 at 49 ms, one group, an empty residual) is no runner-up
+    of the candidates at the solved ratio: being behind it re-opens nothing."""
+    explored, solved = Candidate("allgather", 0.01), Candidate("allgather", 0.012)
+    trials = ExchangeTrials()
+    trials.observe(explored, 0.049)
+    predicted = {DENSE: 0.08, solved: 0.06}
+    run_trials(trials, predicted, {DENSE: 0.090, solved: 0.060}, rounds=3)
+    assert trials.chosen == solved
+    assert all(trials.observe(solved, 0.064) == "" for _ in range(2 * RETRIAL_ROUNDS))
+    assert trials.chosen == solved and trials.epoch == 0
+
+
 def test_dense_wins_a_tie_compression_must_pay_off_by_more_than_noise() -> None:
     trials = ExchangeTrials()
     predicted = {DENSE: 0.04, AG: 0.03}

@@ -18,7 +18,11 @@ round and its measured step time decides:
    than ``RETRIAL_CHANGE`` away from its reference (what it measured when chosen, refined by
    the rounds since) — the network or the load changed — and every candidate is measured
    again. So they are, once per epoch, when it runs ``BEHIND`` slower than the runner-up's
-   trial that many rounds in a row: its own trial was a lucky round.
+   trial that many rounds in a row: its own trial was a lucky round. The runner-up is one of
+   the candidates of now (not an explored ratio's round); where it measured its searched
+   plan, that is what it would run, so it is chosen at once instead (on loopback a replay
+   round let ``allgather@0.012`` past dense's searched 54 ms; it then ran 64, and the new
+   epoch's trials ran on through the measured steps of the benchmark).
 5. Trials run the model's plan of each candidate, and the chosen one's plan is then searched
    (``PlanSearch``), which can take a third off its step. So when that search ends
    (``replanned``), every other candidate whose trial measured less than ``SEARCH_GAIN``
@@ -85,6 +89,7 @@ class ExchangeTrials:
     _replays: list[Candidate] = field(default_factory=list)
     _replayed: set[Candidate] = field(default_factory=set)  # this epoch
     _lender: Candidate | None = None
+    _switched: str = ""  # why ``observe`` chose the runner-up, for ``next`` to say once
 
     @property
     def state(self) -> str:
@@ -102,7 +107,10 @@ class ExchangeTrials:
                 step_s = min(step_s, self.measured.get(ran, step_s))
             self.measured[ran] = step_s
             return ""
-        behind = self._behind_runner_up(ran, step_s)
+        runner_up, behind = self._behind_runner_up(ran, step_s)
+        if runner_up is not None and runner_up in self.searched:
+            self._choose_runner_up(ran, step_s, runner_up, behind)
+            return ""
         if behind:
             return self._measure_again(ran, step_s, behind, recheck=True)
         off = abs(step_s - self.reference_s) / self.reference_s
@@ -117,20 +125,32 @@ class ExchangeTrials:
         return self._measure_again(ran, step_s, f"{ran} step {self.reference_s * 1e3:.1f}→"
                                    f"{step_s * 1e3:.1f} ms")
 
-    def _behind_runner_up(self, ran: Candidate, step_s: float) -> str:
-        """Why the chosen candidate looks chosen on a lucky trial ("" if it does not)."""
-        others = {c: s for c, s in self.measured.items() if c != ran}
+    def _behind_runner_up(self, ran: Candidate, step_s: float) -> tuple[Candidate | None, str]:
+        """The runner-up the chosen candidate runs behind, and why it looks chosen on a lucky
+        trial ((None, "") if it does not)."""
+        others = {c: s for c, s in self.measured.items() if c != ran and c in self.predicted}
         if self._rechecked or not others:
-            return ""
+            return None, ""
         runner_up = min(others, key=lambda c: (others[c], c))
         if step_s <= others[runner_up] * (1 + BEHIND):
             self._behind = 0
-            return ""
+            return None, ""
         self._behind += 1
         if self._behind < RETRIAL_ROUNDS:
-            return ""
-        return (f"{ran} runs {step_s * 1e3:.1f} ms/step, {runner_up} measured "
-                f"{others[runner_up] * 1e3:.1f}")
+            return None, ""
+        return runner_up, (f"{ran} runs {step_s * 1e3:.1f} ms/step, {runner_up} measured "
+                           f"{others[runner_up] * 1e3:.1f}")
+
+    def _choose_runner_up(self, ran: Candidate, step_s: float, runner_up: Candidate,
+                          why: str) -> None:
+        """``runner_up`` measured its searched plan: run it again, no new trials (once per
+        epoch, like the measuring again it replaces)."""
+        self.measured[ran] = step_s
+        self._previous, self.chosen = ran, runner_up
+        self.reference_s = self.measured[runner_up]
+        self._drifted = self._behind = 0
+        self._rechecked = True
+        self._switched = f"{why} on its searched plan: running {runner_up} again"
 
     def _measure_again(self, ran: Candidate, step_s: float, why: str,
                        recheck: bool = False) -> str:
@@ -148,6 +168,7 @@ class ExchangeTrials:
         self._drifted = self._behind = 0
         self._rechecked = recheck  # a drift starts a fresh epoch: the check may run again
         self._replays, self._replayed = [], set()
+        self._switched = ""
         self.epoch += 1
         return f"{why}: measuring the exchanges again"
 
@@ -157,7 +178,8 @@ class ExchangeTrials:
         ``must_measure``: candidates whose prediction is not to be trusted (stale)."""
         self.predicted = dict(predicted)
         if self.chosen is not None and self.chosen in predicted:
-            return self.chosen, ""
+            why, self._switched = self._switched, ""
+            return self.chosen, why
         ranked = sorted(predicted, key=lambda c: (predicted[c], c))
         known = {c: s for c, s in self.measured.items() if c in predicted}
         if not known:
