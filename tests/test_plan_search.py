@@ -431,3 +431,33 @@ def test_search_waits_while_the_model_plans_one_group_and_remembers_it() -> None
     # One group measured fastest: an overhead that gives one group whatever a is fitted.
     assert search.best is not None and search.best.groups == 1
     assert len(plan_for(search.overhead_s)) == 1
+
+
+def test_a_finalist_runs_the_lenders_kept_groups_and_the_lender_its_own_again() -> None:
+    """Dense chosen, its search keeps four groups; the allgather's trial was close, so it
+    runs a round "planned as dense's search": dense's kept groups as they ran, not the
+    model's plan of a compressed candidate for dense's overhead (three groups here); it
+    loses, and dense runs its kept groups again (on loopback dense came back as the model's
+    10 groups at 63 ms where its search had kept 4 at 48)."""
+    replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:0.01")
+    sizes = len(replanner.sizes_bytes)
+    decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
+    ran = []
+    for number in range(1, 16):
+        per_layer = 0.002 if number <= 4 else 0.0016  # backward 20 % faster: below DRIFT
+        offsets = [per_layer * (sizes - 1 - i) for i in range(sizes)]
+        kind, groups = decision.exchanges[0], len(decision.groups)
+        # dense: four groups run fastest; the allgather, close by its trial, loses
+        step = (0.040 + 0.003 * abs(groups - 4) if kind == "dense"
+                else 0.050 if groups == 4 else 0.060)
+        ran.append((kind, decision.groups))
+        decision = replanner.decide(
+            [_report(number, 10 * number - 1, decision.version, step, offsets, GAINS)] * 2)
+    best = replanner._searches[DENSE].best
+    assert best is not None and best.groups == 4, ran
+    kept = [list(group) for group in best.plan]
+    finalist = [groups for kind, groups in ran if kind == "allgather"]
+    assert len(finalist) == 2 and finalist[1] == kept, ran  # its trial, then dense's groups
+    assert replanner.policy is not None and replanner.policy.trials.chosen == DENSE
+    after = ran[[kind for kind, _ in ran].index("allgather", 2) + 1:]
+    assert after and all(run == ("dense", kept) for run in after), after

@@ -344,4 +344,22 @@ class Replanner:
         if self.policy is None or self._next is None:
             return plan_with(self.planner, self.sizes_bytes, backward, planning), [], planning
         groups, line = self._plan_candidate(self._next, measured, backward, overhead)
+        groups = self._kept_plan(self._next, overhead) or groups
         return groups, [self._next.exchange] * len(groups), line
+
+    def _kept_plan(self, candidate: Candidate, overhead_s: float) -> list[list[int]]:
+        """The groups that ``candidate``'s finished plan search kept (for a finalist measured
+        again, its lender's), as they ran, where it is planned with that search's overhead;
+        [] otherwise. A candidate chosen again later (after a finalist's round, or as the
+        watch's runner-up) runs what its search measured, not the model's plan for the
+        overhead, which moves with the profile: dense came back on loopback as 10 groups at
+        63 ms where its search had kept 4 at 48."""
+        assert self.policy is not None
+        search = self._searches.get(candidate)
+        lender = self.policy.trials.lender(candidate)
+        if (search is None or not search.done) and lender is not None:
+            search = self._searches.get(lender)
+        best = search.best if search is not None and search.done else None
+        if best is None or not best.plan or best.overhead_s != overhead_s:
+            return []
+        return [list(group) for group in best.plan]
