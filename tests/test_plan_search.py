@@ -150,6 +150,13 @@ def test_replanner_search_finds_fewer_groups_when_they_are_faster() -> None:
     assert replanner.search.state == "done" and replanner.search.overhead_s > 0
 
 
+def _backward_moving_after(moves_after: int, number: int, sizes: int) -> list[float]:
+    """Ready offsets of round ``number``: 2 ms of backward per layer, 20 % faster (below
+    DRIFT) after round ``moves_after``."""
+    per_layer = 0.002 if number <= moves_after else 0.0016
+    return [per_layer * (sizes - 1 - i) for i in range(sizes)]
+
+
 def test_the_kept_trial_runs_as_measured_when_the_profile_moved_since() -> None:
     """The search keeps a trial's groups, not its overhead alone: the model's plan for the
     kept overhead moves with the backward profile (a 4-group trial measured 51.9 ms came
@@ -159,8 +166,7 @@ def test_the_kept_trial_runs_as_measured_when_the_profile_moved_since() -> None:
     decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
     counts = []
     for number in range(1, 10):
-        per_layer = 0.002 if number <= 3 else 0.0016  # backward 20 % faster: below DRIFT
-        offsets = [per_layer * (sizes - 1 - i) for i in range(sizes)]
+        offsets = _backward_moving_after(3, number, sizes)
         step = 0.040 + 0.003 * abs(len(decision.groups) - 6)  # six groups run fastest
         decision = replanner.decide(
             [_report(number, 10 * number - 1, decision.version, step, offsets)] * 2)
@@ -444,8 +450,7 @@ def test_a_finalist_runs_the_lenders_kept_groups_and_the_lender_its_own_again() 
     decision = replanner.decide([_report(0, -1, 0, 0.0, [])] * 2)
     ran = []
     for number in range(1, 16):
-        per_layer = 0.002 if number <= 4 else 0.0016  # backward 20 % faster: below DRIFT
-        offsets = [per_layer * (sizes - 1 - i) for i in range(sizes)]
+        offsets = _backward_moving_after(4, number, sizes)
         kind, groups = decision.exchanges[0], len(decision.groups)
         # dense: four groups run fastest; the allgather, close by its trial, loses
         step = (0.040 + 0.003 * abs(groups - 4) if kind == "dense"
