@@ -125,8 +125,14 @@ async def test_a_job_in_another_language_with_bad_readies(daemon: Daemon, connec
             assert reply["code"] == "invalid" and "twice" in reply["message"]
             reply = await ranks[0].ask({"type": "ready", "layers": [7]})
             assert reply["code"] == "invalid" and "unknown layer 7" in reply["message"]
-            reply = await ranks[0].ask({"type": "wait", "iteration": 5})
-            assert reply["code"] == "out_of_order"
+            for ahead_or_before_any in (5, -1):
+                reply = await ranks[0].ask({"type": "wait", "iteration": ahead_or_before_any})
+                assert reply["code"] == "out_of_order", reply
+        if iteration == 2:  # two iterations done: the last one is answered, an older refused
+            reply = await ranks[0].ask({"type": "wait", "iteration": 0})
+            assert reply["code"] == "out_of_order" and "the job is at 2" in reply["message"]
+            reply = await ranks[0].ask({"type": "wait", "iteration": 1})
+            assert reply["type"] == "done" and reply["iteration"] == 1 and reply["dense"], reply
         for client in ranks:
             await client.send({"type": "ready", "layers": [0]})
             await client.send({"type": "wait", "iteration": iteration})

@@ -187,13 +187,13 @@ class Job:
 
     def wait(self, member: LocalRank, iteration: int) -> None:
         pipeline = self._running("wait")
-        if iteration < pipeline.iteration:
-            # Not the plan in force: the next iteration may have switched already.
-            assert pipeline.done_plan is not None, "an earlier iteration has finished"
+        if iteration == pipeline.iteration:
+            member.waiting = iteration
+        elif iteration == pipeline.iteration - 1 and pipeline.done_plan is not None:
+            # Finished already (the other local ranks' marks completed it): the plan it ran
+            # with, not the one in force, which may have switched since.
             reply = replies.done(pipeline, member, iteration, pipeline.done_plan)
             self.ctx.send_client(member.identity, reply)
-        elif iteration == pipeline.iteration:
-            member.waiting = iteration
         else:
             raise JobError(
                 f"wait for iteration {iteration} but the job is at {pipeline.iteration}",
