@@ -77,22 +77,24 @@ def test_an_exact_exchange_gives_momentum_sgd_whatever_ran_dense(
         torch.testing.assert_close(param, want, atol=1e-6, rtol=1e-6)
 
 
-def test_after_a_dense_iteration_the_gradients_go_as_they_are() -> None:
-    """No passes while the daemon runs dense: what is handed over is the gradient itself."""
-    pattern = [False, True, True, False, False]
+def test_after_two_dense_iterations_the_gradients_go_as_they_are() -> None:
+    """No passes while the daemon runs dense: after two dense iterations in a row what is
+    handed over is the gradient itself (after one, the velocity still goes: that round also
+    carried what top-k held back)."""
+    pattern = [False, True, True, True, False, False]
     handed, _, _, _ = _train(pattern)
-    for step in (2, 3):  # the iterations after a dense one
+    for step in (3, 4):  # after iterations 1-2 and 2-3, both dense
         for sent, gradient in zip(handed[step], _gradients(step), strict=True):
             torch.testing.assert_close(sent, gradient, atol=0, rtol=0)
-    # After a top-k iteration (iteration 0 has none before it) the velocity goes: m·u + g.
-    for sent, gradient in zip(handed[1], _gradients(1), strict=True):
-        assert not torch.equal(sent, gradient)
+    for step in (1, 2, 5):  # after a top-k iteration, or one dense after top-k: m·u + g
+        for sent, gradient in zip(handed[step], _gradients(step), strict=True):
+            assert not torch.equal(sent, gradient)
 
 
 def test_the_velocity_restarts_from_the_optimizers_buffer_after_dense_rounds() -> None:
-    """Iteration 3 ran top-k after dense ones, so iteration 4 sends m·b + g, where b is the
-    optimizer's momentum buffer (no weight decay here): the average of the velocities the
-    ranks would hold had they been followed through the dense rounds."""
+    """Iteration 3 sent gradients (after two dense ones) and ran top-k, so iteration 4 sends
+    m·b + g, where b is the optimizer's momentum buffer (no weight decay here): the average of
+    the velocities the ranks would hold had they been followed through the dense rounds."""
     pattern = [False, True, True, False, False, False]
     handed, _, _, buffers = _train(pattern)
     for step in (4, 5):
@@ -156,3 +158,48 @@ def test_a_lossy_exchange_leaves_the_optimizer_buffer_at_a_plus_weight_decays_mo
         assert correction.active
     finally:
         correction.close()
+
+
+def _error_feedback(sent: torch.Tensor, residual: torch.Tensor, dense: bool) -> torch.Tensor:
+    """A one-rank stand-in for the daemon's top-k with error feedback: a top-k round returns
+    the larger half of ``sent + residual`` and keeps the rest; a dense round returns it all
+    (the first after top-k sends what was held back at once). ``residual`` is updated."""
+    total = sent + residual
+    if dense:
+        residual.zero_()
+        return total
+    keep = total.abs() >= total.abs().flatten().median()
+    residual.copy_(torch.where(keep, torch.zeros_like(total), total))
+    return torch.where(keep, total, torch.zeros_like(total))
+
+
+def _train_with_error_feedback(ran_dense: list[bool], rest: bool) -> list[nn.Parameter]:
+    """Training through ``_error_feedback``; ``rest=False``: the correction is told every
+    iteration ran top-k, so it sends velocities throughout (DGC's update, exactly)."""
+    params = _params(0)
+    correction = MomentumCorrection(params)
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM)
+    residuals = [torch.zeros_like(p) for p in params]
+    try:
+        for step, dense in enumerate(ran_dense):
+            for index, (param, gradient) in enumerate(zip(params, _gradients(step), strict=True)):
+                view = gradient.clone()
+                correction.send(index, view)
+                param.grad = _error_feedback(view, residuals[index], dense)
+            correction.received(dense and rest)
+            optimizer.step()
+    finally:
+        correction.close()
+    return params
+
+
+def test_resting_through_dense_rounds_applies_what_top_k_held_back_once() -> None:
+    """The first dense round after top-k sends the residual at once. Resting only from the
+    second on, the weights through the dense rounds are those of sending velocities
+    throughout; resting from the first, the residual's lump would stay in the optimizer's
+    buffer and its momentum would apply it again and again."""
+    pattern = [False, False, False, True, True, True, True, True]
+    resting = _train_with_error_feedback(pattern, rest=True)
+    exact = _train_with_error_feedback(pattern, rest=False)
+    for param, want in zip(resting, exact, strict=True):
+        torch.testing.assert_close(param, want, atol=1e-6, rtol=1e-5)

@@ -24,9 +24,12 @@ While the daemon runs every group dense it costs nothing: the exchange is exact,
 velocities' average is the optimizer's buffer and sending the gradients as they are gives the
 same update (momentum SGD's). Whether an iteration ran dense comes back with its ``done``,
 the same on every rank (all nodes switch plans at one iteration), and decides what the next
-iteration sends: after a dense one the gradients as they are, uncorrected; after a top-k one
-the velocities, started again from the buffer's image ``b`` after dense rounds (the average
-of the ranks' velocities there; only their split between ranks is not followed).
+iteration sends: after two dense ones in a row the gradients as they are, uncorrected;
+otherwise the velocities, started again from the buffer's image ``b`` after resting (the
+average of the ranks' velocities there; only their split between ranks is not followed).
+Two, because the first dense round also sends what top-k held back: corrected, that lump is
+applied once (``lr·A``); left in the optimizer's buffer, its momentum would apply it
+1/(1 − m) times (the loss jumped at every switch to dense).
 
 It switches itself off (and says so once) where the invariant cannot hold: another optimizer
 (Adam keeps its own moments), Nesterov or dampening, several momenta, not all of the wrapped
@@ -122,16 +125,17 @@ class MomentumCorrection(StepHook):
         self._own_image = False
         self._buffer: list[torch.Tensor | None] = [None] * len(params)
         self._reduced = False  # a reduction since the last optimizer step
-        # what this iteration hands over: the velocities (after a top-k iteration) or the
-        # gradients as they are (after a dense one, agreed on every rank)
+        # what this iteration hands over: the velocities, or the gradients as they are after
+        # two dense iterations in a row (agreed on every rank)
         self.sending_velocity = True
+        self._dense_before = False  # the iteration before the last one ran dense
         self._stale = False  # velocities not followed through dense rounds: restart from b
 
     # --- backward: what is sent ----------------------------------------------------------------
 
     def send(self, index: int, view: torch.Tensor) -> None:
         """``view`` holds this rank's gradient, about to be handed to commd: make it the
-        velocity ``m·u + g`` (and remember it), unless the last iteration ran dense."""
+        velocity ``m·u + g`` (and remember it), unless the last two iterations ran dense."""
         if not self.active or not self.sending_velocity:
             return
         velocity = self._velocity[index]
@@ -147,7 +151,8 @@ class MomentumCorrection(StepHook):
     def received(self, ran_dense: bool = False) -> None:
         """Every ``.grad`` holds the reduced velocities ``A`` (or gradients, when this
         iteration sent those): make it ``A − m·b``. ``ran_dense``: every group of this
-        iteration ran dense, so the next one sends its gradients as they are."""
+        iteration ran dense; after two such in a row the next one sends its gradients as
+        they are (the first also carried what top-k held back)."""
         if not self.active:
             return
         if self._reduced:
@@ -164,7 +169,8 @@ class MomentumCorrection(StepHook):
                         param.grad.sub_(buffer, alpha=momentum)
         else:
             self._stale = True  # no velocity this round: the next one starts from b
-        self.sending_velocity = not ran_dense
+        self.sending_velocity = not (ran_dense and self._dense_before)
+        self._dense_before = ran_dense
 
     # --- the optimizer's step ------------------------------------------------------------------
 
