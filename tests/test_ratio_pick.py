@@ -131,3 +131,12 @@ def test_a_gain_miss_reopens_the_trials_unless_dense_measured_faster() -> None:
     slower, _ = policy_on_a_gain_miss(dense_s=0.060)
     why = slower.observe(gain_round(0.048), whole_round=True)
     assert "gain at ratio 0.02 measured 0.210" in why and slower.trials.epoch == 2
+
+
+def test_a_gain_miss_let_pass_keeps_the_re_solve_for_later() -> None:
+    """The miss that dense's faster step let pass did not spend the job's one re-solve: once
+    the compressed candidate runs faster than dense measured, the next miss re-solves."""
+    policy, _ = policy_on_a_gain_miss(dense_s=0.046)
+    assert policy.observe(gain_round(0.048), whole_round=True) == ""
+    why = policy.observe(gain_round(0.040), whole_round=True)
+    assert "gain at ratio 0.02 measured 0.210" in why and policy.trials.epoch == 2

@@ -111,7 +111,6 @@ class CompressionPolicy:
         spread = mean_gain_per_ratio((r, g) for report in reports for r, g in report.gains)
         if len(spread) >= 2:
             self._spread = spread
-        missed = self._gain_missed(spread)
         self._gained.update(r for report in reports for r, _ in report.gains
                             if r in EXPLORE_RATIOS)  # all it asks of them: bounded
         self._observe_cpu([r.cpu_s_per_element for r in reports if r.cpu_s_per_element])
@@ -122,7 +121,8 @@ class CompressionPolicy:
                 self._timed.add(running.ratio)
         steps = [r.step_s for r in reports]
         step_s = float(np.mean(steps)) if whole_round and min(steps) > 0 else 0.0
-        if missed and not self._dense_beats(running, step_s):
+        missed = self._gain_missed(spread, can_act=not self._dense_beats(running, step_s))
+        if missed:
             return self.trials.restart(missed)
         if not step_s or running is None:
             return ""
@@ -137,10 +137,11 @@ class CompressionPolicy:
         return (dense is not None and running is not None and running.exchange != "dense"
                 and 0 < dense <= step_s)
 
-    def _gain_missed(self, gains: list[tuple[float, float]]) -> str:
+    def _gain_missed(self, gains: list[tuple[float, float]], can_act: bool = True) -> str:
         """Why the ratio is to be solved again ("" if not): the gain this round measured at
         the solved ratio has settled GAIN_MISS below what the model predicted when it was
-        solved."""
+        solved. ``can_act`` False (dense measured faster): a miss is let pass without
+        spending the job's re-solves on it."""
         if (self.spec.ratio is not None or self.exploring or self._solved_gain <= 0
                 or self._gain_resolves >= GAIN_RESOLVES):
             return ""
@@ -150,7 +151,7 @@ class CompressionPolicy:
             return ""
         previous, self._last_gain = self._last_gain, observed
         if (previous <= 0 or observed < (1 - GAIN_SETTLED) * previous  # not settled
-                or observed >= (1 - GAIN_MISS) * self._solved_gain):
+                or observed >= (1 - GAIN_MISS) * self._solved_gain or not can_act):
             return ""
         predicted, self._solved_gain = self._solved_gain, 0.0
         self._gain_resolves += 1
