@@ -8,6 +8,8 @@ the daemon reported as dense; what the reports change is the work on the rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -28,6 +30,28 @@ def _gradients(step: int) -> list[torch.Tensor]:
 
 
 Tensors = list[torch.Tensor]
+Exchange = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def _hand_over(correction: MomentumCorrection, step: int, exchange: Exchange
+               ) -> tuple[Tensors, Tensors]:
+    """One backward: each gradient of ``step`` goes through ``correction.send``, and
+    ``exchange(index, handed)`` stands in for commd's result in ``.grad``. Returns what was
+    handed over and what came back."""
+    handed, returned = [], []
+    for index, (param, gradient) in enumerate(zip(correction.params, _gradients(step),
+                                                  strict=True)):
+        view = gradient.clone()
+        correction.send(index, view)
+        handed.append(view.clone())
+        param.grad = exchange(index, view)
+        returned.append(param.grad.clone())
+    return handed, returned
+
+
+def _exact(index: int, handed: torch.Tensor) -> torch.Tensor:
+    """The exact exchange of one rank: ``A`` is what was handed over."""
+    return handed
 
 
 def _train(ran_dense: list[bool], weight_decay: float = 0.0, decay_from: int = 0
@@ -48,12 +72,7 @@ def _train(ran_dense: list[bool], weight_decay: float = 0.0, decay_from: int = 0
                     group["weight_decay"] = weight_decay
             buffers.append([optimizer.state[p]["momentum_buffer"].clone()
                             if p in optimizer.state else torch.zeros_like(p) for p in params])
-            sent = []
-            for index, (param, gradient) in enumerate(zip(params, _gradients(step), strict=True)):
-                view = gradient.clone()
-                correction.send(index, view)
-                sent.append(view.clone())
-                param.grad = view  # the exact exchange of one rank: A is what was handed over
+            sent, _ = _hand_over(correction, step, _exact)
             correction.received(dense)
             optimizer.step()
             for param, gradient in zip(reference, _gradients(step), strict=True):
@@ -118,9 +137,7 @@ def test_maximize_turns_the_correction_off() -> None:
     params = _params(0)
     correction = MomentumCorrection(params)
     optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM, maximize=True)
-    for index, (param, gradient) in enumerate(zip(params, _gradients(0), strict=True)):
-        correction.send(index, gradient)
-        param.grad = gradient
+    _hand_over(correction, 0, _exact)
     correction.received()
     optimizer.step()
     assert not correction.active
@@ -142,16 +159,12 @@ def test_a_lossy_exchange_leaves_the_optimizer_buffer_at_a_plus_weight_decays_mo
             if step == decay_from:
                 optimizer.param_groups[0]["weight_decay"] = weight_decay
             decayed = optimizer.param_groups[0]["weight_decay"]
-            returned = []
-            for index, (param, gradient) in enumerate(zip(params, _gradients(step), strict=True)):
-                view = gradient.clone()
-                correction.send(index, view)
-                param.grad = 0.5 * view
-                returned.append(param.grad.clone())
-                decay[index] = MOMENTUM * decay[index] + decayed * param.detach()
+            decay = [MOMENTUM * kept + decayed * param.detach()
+                     for param, kept in zip(params, decay, strict=True)]
+            _, returned = _hand_over(correction, step, lambda index, handed: 0.5 * handed)
             correction.received(dense)
             optimizer.step()
-            if step == 0 or not pattern[step - 1]:  # velocities went
+            if step < 2 or not (pattern[step - 1] and pattern[step - 2]):  # velocities went
                 for param, reduced, kept in zip(params, returned, decay, strict=True):
                     torch.testing.assert_close(optimizer.state[param]["momentum_buffer"],
                                                reduced + kept, atol=1e-6, rtol=1e-5)
@@ -182,10 +195,10 @@ def _train_with_error_feedback(ran_dense: list[bool], rest: bool) -> list[nn.Par
     residuals = [torch.zeros_like(p) for p in params]
     try:
         for step, dense in enumerate(ran_dense):
-            for index, (param, gradient) in enumerate(zip(params, _gradients(step), strict=True)):
-                view = gradient.clone()
-                correction.send(index, view)
-                param.grad = _error_feedback(view, residuals[index], dense)
+            def exchange(index: int, handed: torch.Tensor, dense: bool = dense) -> torch.Tensor:
+                return _error_feedback(handed, residuals[index], dense)
+
+            _hand_over(correction, step, exchange)
             correction.received(dense and rest)
             optimizer.step()
     finally:
