@@ -293,7 +293,7 @@ def _train_in_process(nodes: list[LocalDaemon], job: str, compression: str,
     """One rank through commd with ``compression``, and the same training without DDP.
     With ``ran_dense``: whether each iteration ran dense goes there (and the next one's
     momentum correction must rest, sending no velocities, exactly after two dense ones in a
-    row), and the training ends early, five iterations after the first dense one."""
+    row), and the training ends early, once five iterations in a row ran dense."""
     model, reference = build_model("mlp", 7), build_model("mlp", 7)
     with DistributedDataParallel(
         model, job=job, rank=0, world_size=1, local_rank=0, local_world_size=1,

@@ -32,8 +32,9 @@ applied once (``lr·A``); left in the optimizer's buffer, its momentum would app
 1/(1 − m) times (the loss jumped at every switch to dense).
 
 It switches itself off (and says so once) where the invariant cannot hold: another optimizer
-(Adam keeps its own moments), Nesterov or dampening, several momenta, not all of the wrapped
-parameters in one optimizer, or a reduction without a step after it (or a step without one).
+(Adam keeps its own moments), Nesterov, dampening or maximize, several momenta, not all of
+the wrapped parameters in one optimizer, or a reduction without a step after it (or a step
+without one).
 """
 
 from __future__ import annotations
