@@ -3,28 +3,12 @@ the noise its baselines' repeats showed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_scripts import assert_usage_error, load_bench_script
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_compression", ROOT / "bench" /
-                                                  "compression.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_compression", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_bench_script("compression.py", "bench_compression")
 
 
 def row(mode: str, repeats: list[float], rate: str = "1gbit") -> dict[str, Any]:
@@ -73,7 +57,4 @@ def test_a_rate_without_a_dense_row_has_no_verdict() -> None:
 ])
 def test_a_bad_option_is_a_usage_error_before_anything_starts(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
+    assert_usage_error(bench.main, argv, says, capsys)

@@ -3,29 +3,12 @@ the warm-up runs dense, and bad options are refused with a clear error."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from bench_scripts import assert_usage_error, load_bench_script
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3  # the loss of a short run is the mean over its steps: every update counts
 
-
-def load_offline() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))  # its own import of ddp_tasks
-    spec = importlib.util.spec_from_file_location("bench_topk_offline",
-                                                  ROOT / "bench" / "topk_offline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_topk_offline", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-offline = load_offline()
+offline = load_bench_script("topk_offline.py", "bench_topk_offline")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +52,4 @@ def test_a_small_ratio_changes_the_training(dense_loss: float) -> None:
 ])
 def test_bad_options_are_refused_before_any_training(
         argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        offline.main(argv)
-    assert exit_info.value.code == 2
-    assert complaint in capsys.readouterr().err
+    assert_usage_error(offline.main, argv, complaint, capsys)
