@@ -145,9 +145,14 @@ def _segments(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="ef,mc", help=f"of {', '.join(VARIANTS)}")
-    parser.add_argument("--ratios", default="0.01,0.03,0.05,0.1")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="ef,mc",
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (default ef,mc; "
+                             "each is described above)")
+    parser.add_argument("--ratios", default="0.01,0.03,0.05,0.1",
+                        help="comma-separated top-k ratios in (0, 1] (default "
+                             "0.01,0.03,0.05,0.1)")
     parser.add_argument("--streams", type=int, default=5, help="data streams (default 5)")
     parser.add_argument("--steps", type=int, default=150, help="steps (default 150)")
     parser.add_argument("--dense-steps", type=int, default=0, metavar="N",
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dense = statistics.fmean(train("dense", 1.0, s, args.steps) for s in range(args.streams))
     warm_up = f", the first {args.dense_steps} dense" if args.dense_steps else ""
-    print(f"{args.steps} steps{warm_up}, {args.streams} streams; "
+    print(f"{args.steps} steps{warm_up}, {args.streams} stream(s); "
           f"dense final loss {dense:.3f}")
     print("| variant | ratio | final loss | × dense |\n|---|---|---|---|")
     for variant in variants:
