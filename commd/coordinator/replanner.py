@@ -175,10 +175,9 @@ class Replanner:
                        ) -> tuple[list[list[int]], list[str]]:
         """The plan search's kept trial as it ran, in place of the model's plan for its
         overhead (``groups``): the profile has moved since, and the model's plan with it."""
-        best = self.search.best
-        if best is None or not best.plan or best.overhead_s != self.search.overhead_s:
+        kept = _kept_groups(self.search, self.search.overhead_s)
+        if not kept:
             return groups, exchanges
-        kept = [list(group) for group in best.plan]
         return kept, [exchanges[0]] * len(kept) if exchanges else []
 
     def _overhead_of(self, candidate: Candidate | None) -> float:
@@ -359,7 +358,13 @@ class Replanner:
         lender = self.policy.trials.lender(candidate)
         if (search is None or not search.done) and lender is not None:
             search = self._searches.get(lender)
-        best = search.best if search is not None and search.done else None
-        if best is None or not best.plan or best.overhead_s != overhead_s:
-            return []
-        return [list(group) for group in best.plan]
+        return _kept_groups(search, overhead_s)
+
+
+def _kept_groups(search: PlanSearch | None, overhead_s: float) -> list[list[int]]:
+    """The groups a finished ``search`` kept, as they ran, where the plan is made with its
+    kept trial's overhead ``overhead_s``; [] otherwise."""
+    best = search.best if search is not None and search.done else None
+    if best is None or not best.plan or best.overhead_s != overhead_s:
+        return []
+    return [list(group) for group in best.plan]
