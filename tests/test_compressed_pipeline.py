@@ -202,5 +202,7 @@ def test_lower_gains_are_worked_out_often_while_exploring_then_rarely() -> None:
     from commd.job.compressed import lower_gains_due
 
     early = [i for i in range(50) if lower_gains_due(i)]
-    late = [i for i in range(50, 300) if lower_gains_due(i)]
-    assert early == list(range(0, 50, 5)) and late == [50, 100, 150, 200, 250]
+    settling = [i for i in range(50, 100) if lower_gains_due(i)]  # one per report round
+    late = [i for i in range(100, 300) if lower_gains_due(i)]
+    assert early == list(range(0, 50, 5)) and settling == list(range(50, 100, 10))
+    assert late == [100, 150, 200, 250]

@@ -14,9 +14,15 @@ from commd.compression.planning import (
     GainModel,
     fit_gain,
     pick_ratio,
+    steeper_than,
 )
 from commd.compression.topk import parse_compression
-from commd.coordinator.compression_policy import CompressionPolicy, reachable_steps
+from commd.coordinator.compression_policy import (
+    ASSUMED_SLOPE,
+    RESOLVE_KEEP,
+    CompressionPolicy,
+    reachable_steps,
+)
 from commd.coordinator.exchange_trials import DENSE, Candidate
 from commd.plan import LinearCost
 from commd_protocol import PeerProfile
@@ -86,6 +92,7 @@ def policy_after_exploring(latest: dict[float, float]) -> CompressionPolicy:
     policy = CompressionPolicy(spec, nodes=2)
     policy._gained, policy._timed = set(EXPLORE_RATIOS), set(TIMED_RATIOS)
     policy.gains = policy._spread = [(0.01, 0.145), (0.1, 0.377)]  # settled gains (DDP run)
+    policy._settled = True
     policy.trials.latest = {Candidate("allgather", r): s for r, s in latest.items()}
     policy.trials.epoch = 1  # a new epoch: the ratio is solved again
     return policy
@@ -110,13 +117,22 @@ def policy_on_a_gain_miss(dense_s: float) -> tuple[CompressionPolicy, Candidate]
     running = Candidate("allgather", 0.02)
     policy.ratio, policy.running = 0.02, running
     policy._solved_gain, policy._last_gain = 0.75, 0.22
+    policy._ratio_epoch = policy.trials.epoch
     policy.trials.measured = {DENSE: dense_s}
     return policy, running
 
 
-def gain_round(step_s: float) -> list[PeerProfile]:
-    return [PeerProfile(job="j", round=9, iteration=90, gains=[[0.02, 0.21]], plan=5,
+def gain_round(step_s: float, gain: float = 0.21) -> list[PeerProfile]:
+    return [PeerProfile(job="j", round=9, iteration=90, gains=[[0.02, gain]], plan=5,
                         step_s=step_s) for _ in range(2)]
+
+
+def observe_and_choose(policy: CompressionPolicy, reports: list[PeerProfile]) -> str:
+    """One round as the Replanner feeds it: observed, then the next candidate chosen (where
+    a re-solve found due acts); the reasons of both."""
+    retrial = policy.observe(reports, whole_round=True)
+    _, why = policy.choose(LinearCost(1e-4, 8e-9), [3_170_000], lambda c: 0.05)
+    return ", ".join(x for x in (retrial, why) if x)
 
 
 def test_a_gain_miss_reopens_the_trials_unless_dense_measured_faster() -> None:
@@ -124,19 +140,98 @@ def test_a_gain_miss_reopens_the_trials_unless_dense_measured_faster() -> None:
     cannot beat dense, so the miss does not start the trials again (they ran on into the
     measured steps); where dense measured slower it does."""
     policy, running = policy_on_a_gain_miss(dense_s=0.046)
-    assert policy.observe(gain_round(0.048), whole_round=True) == ""
+    assert "gain at ratio" not in observe_and_choose(policy, gain_round(0.048))
     assert policy.trials.measured[running] == pytest.approx(0.048)
     assert policy.trials.epoch == 1 and policy.ratio == 0.02
 
     slower, _ = policy_on_a_gain_miss(dense_s=0.060)
-    why = slower.observe(gain_round(0.048), whole_round=True)
+    why = observe_and_choose(slower, gain_round(0.048))
     assert "gain at ratio 0.02 measured 0.210" in why and slower.trials.epoch == 2
+    assert slower.ratio > 0.02 * (1 + RESOLVE_KEEP), why
 
 
 def test_a_gain_miss_let_pass_keeps_the_re_solve_for_later() -> None:
     """The miss that dense's faster step let pass did not spend the job's one re-solve: once
     the compressed candidate runs faster than dense measured, the next miss re-solves."""
     policy, _ = policy_on_a_gain_miss(dense_s=0.046)
-    assert policy.observe(gain_round(0.048), whole_round=True) == ""
-    why = policy.observe(gain_round(0.040), whole_round=True)
+    assert "gain at ratio" not in observe_and_choose(policy, gain_round(0.048))
+    why = observe_and_choose(policy, gain_round(0.040))
     assert "gain at ratio 0.02 measured 0.210" in why and policy.trials.epoch == 2
+
+
+def test_a_gain_model_flatter_than_the_assumed_slope_is_replaced() -> None:
+    """A steeper fit stands; a flatter one gives way to the assumed slope, its gain 1 at the
+    top of the range (the early level says nothing: every gain is near 1)."""
+    steep = ddp_model()  # slope ~0.77
+    assert steeper_than(steep, ASSUMED_SLOPE) is steep and not steep.assumed
+    flat = fit_gain([(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)])
+    assert flat is not None and flat.slope < 0.05
+    assumed = steeper_than(flat, ASSUMED_SLOPE)
+    assert assumed.assumed and assumed.slope == pytest.approx(ASSUMED_SLOPE)
+    assert float(assumed.gain(0.1)) == pytest.approx(1.0)
+    assert float(assumed.gain(0.01)) == pytest.approx(0.1**ASSUMED_SLOPE)
+
+
+def test_a_first_solve_on_the_early_flat_gains_assumes_the_slope() -> None:
+    """On our DDP task the first solve saw gains near 1 for every ratio and picked
+    0.011-0.016, where the settled gains pick 0.036-0.052. Before the gains have settled it
+    picks with ASSUMED_SLOPE; once settled, with the gains' own slope, flat or not."""
+    cost, elements = LinearCost(1e-4, 8e-9), [3_170_000]
+    early = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
+    first = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
+    first._settled = False
+    first.gains = first._spread = early
+    ratio, why = first._choose_ratio(cost, elements)
+    assert f"slope {ASSUMED_SLOPE:g} assumed" in why and first._assumed
+    time_of = first._time_of(cost, elements)
+    assert ratio == pytest.approx(pick_ratio(time_of, GainModel(0.0, -ASSUMED_SLOPE))[0])
+
+    settled = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
+    settled.gains = settled._spread = early
+    flat_ratio, why = settled._choose_ratio(cost, elements)
+    assert "assumed" not in why and not settled._assumed
+    assert flat_ratio < ratio / 2
+
+
+def slope_round(slope: float) -> list[PeerProfile]:
+    """A round whose gains (at 0.001 and 0.01) have ``slope``."""
+    gains = [[0.001, 0.05], [0.01, 0.05 * 10**slope]]
+    return [PeerProfile(job="j", round=5, iteration=50, gains=gains, plan=5, step_s=0.05)
+            for _ in range(2)]
+
+
+def test_an_assumed_slope_is_solved_again_once_the_gains_slope_has_settled() -> None:
+    """A DDP run's slopes after the first solve: 0.158, 0.300, 0.278, 0.360 (still rising,
+    0.525 later); one pair within SLOPE_SETTLED (0.300, 0.278) is no sign: the re-solve it
+    set off went to 0.031 on a flat 0.278. Two pairs in a row are."""
+    policy = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
+    policy._settled = False
+    policy.gains = policy._spread = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
+    policy.ratio, _ = policy._choose_ratio(LinearCost(1e-4, 8e-9), [3_170_000])
+    policy.running = Candidate("allgather", policy.ratio)
+    assert policy._assumed
+    ratio, epoch = policy.ratio, policy.trials.epoch
+    for slope in (0.158, 0.300, 0.278, 0.360, 0.45, 0.47):
+        observe_and_choose(policy, slope_round(slope))
+        assert policy._gain_resolves == 0, slope
+    observe_and_choose(policy, slope_round(0.46))  # 0.45, 0.47, 0.46: settled
+    assert policy._gain_resolves == 1 and policy._settled and not policy._assumed
+    # solved with 0.46 where 0.5 was assumed: within RESOLVE_KEEP, the ratio and its
+    # trials stand
+    assert policy.ratio == ratio and policy.trials.epoch == epoch
+
+
+def test_a_settled_slope_while_dense_measured_faster_keeps_the_re_solve() -> None:
+    """As for a gain miss: while dense measured, this epoch, no slower than the ratio's
+    candidate runs, a settled slope opens no trials and spends no re-solve; the gains count
+    as settled (later solves take their slope)."""
+    policy = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
+    policy._settled = False
+    policy.gains = policy._spread = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
+    policy.ratio, _ = policy._choose_ratio(LinearCost(1e-4, 8e-9), [3_170_000])
+    policy.running = Candidate("allgather", policy.ratio)
+    policy.trials.measured = {DENSE: 0.030}  # dense beats the 0.05 s rounds below
+    for slope in (0.2, 0.2, 0.2):
+        observe_and_choose(policy, slope_round(slope))
+    assert policy._settled and policy._assumed and policy._gain_resolves == 0
+    assert policy.trials.epoch == 1

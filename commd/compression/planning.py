@@ -89,9 +89,26 @@ class GainModel:
 
     c0: float
     c1: float
+    assumed: bool = False  # the slope is assumed (``steeper_than``), not fitted
+
+    @property
+    def slope(self) -> float:
+        """s in gain ∝ ratio^s (uncapped)."""
+        return -self.c1
 
     def gain(self, ratio: float | np.ndarray) -> np.ndarray:
         return np.minimum(1.0, np.exp(-self.c0) * np.power(ratio, -self.c1))
+
+
+def steeper_than(model: GainModel, slope: float) -> GainModel:
+    """``model``, or where its slope is flatter than ``slope``, a model of that slope whose
+    gain reaches 1 at the top of RATIO_RANGE. The pick on the front depends on the slope
+    alone (both of its objectives are relative) except where the gain is capped at 1; the
+    level of gains measured before error feedback's residuals have built up says nothing
+    (every ratio's is near 1), so none is taken from them."""
+    if model.slope >= slope:
+        return model
+    return GainModel(slope * math.log(RATIO_RANGE[1]), -slope, assumed=True)
 
 
 def mean_gain_per_ratio(gains: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

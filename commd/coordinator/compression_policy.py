@@ -4,8 +4,13 @@
   nodes report the gains of those and of 0.001 (worked out from the larger ratios'
   selections, so 0.001 need not run). Then the ratio is picked on the Pareto front of
   (time, 1/gain) — the time from the cost model (wire and CPU), corrected by what the
-  explored ratios measured. It is solved again only when the
-  exchanges are measured anew (a changed network), so noisy fits do not make it wander.
+  explored ratios measured. The first solve comes before error feedback's residuals have
+  built up, when every ratio's gain is near 1: where the gains it sees are flatter than
+  ``ASSUMED_SLOPE`` it assumes that slope, and solves again once the gains' slope has
+  settled (keeping the ratio where the new pick is within ``RESOLVE_KEEP`` of it, so the
+  trials and the plan search already run for it stand). Otherwise it is solved again only
+  when the exchanges are measured anew (a changed network) or the gain misses the model by
+  ``GAIN_MISS``, so noisy fits do not make it wander.
 * **Exchange**: with ``auto`` the candidates are dense, the allgather and (from three nodes)
   the AR-compatible exchange at the ratio; ``ExchangeTrials`` measures them and keeps the
   fastest. A forced exchange is never changed and never measured against the others.
@@ -15,6 +20,7 @@ Pure: the ``Replanner`` feeds it the nodes' reports and plans with what it retur
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,11 +32,13 @@ from commd.compression.planning import (
     EXPLORE_RATIOS,
     TIMED_RATIOS,
     CpuCost,
+    GainModel,
     compressed_cost,
     fit_gain,
     link_cost,
     mean_gain_per_ratio,
     pick_ratio,
+    steeper_than,
 )
 from commd.compression.topk import CompressionSpec
 from commd.coordinator.exchange_trials import DENSE, Candidate, ExchangeTrials
@@ -47,6 +55,19 @@ GAIN_MEMORY = 200  # (ratio, gain) observations kept for the gain model
 GAIN_MISS = 0.3
 GAIN_SETTLED = 0.1
 GAIN_RESOLVES = 1
+# The least slope s (gain ∝ ratio^s) a solve assumes before the gains have settled: the
+# build-up flattens the early curve (slopes 0.16, 0.36, 0.47, 0.53 over rounds 3-6 of our
+# DDP task, settled at 0.47-0.53; a Gaussian E gives 0.72 between 0.01 and 0.1), and solved
+# on it the first pick was 0.011-0.016, whose trials and plan search were all spent when the
+# settled re-solve moved the ratio to 0.036-0.052 (searches ran into step 112-132).
+ASSUMED_SLOPE = 0.5
+# Slopes within this fraction of the previous round's, twice in a row, have settled (on our
+# DDP task rounds 3-6 gave 0.12-0.16, 0.27-0.36, 0.30-0.47, 0.44-0.53, and 0.39-0.53 later;
+# the pick moves ~8 % per 0.05 of slope).
+SLOPE_SETTLED = 0.15
+# A re-solve whose pick lies within this much of the ratio running keeps it: its trials and
+# plan search stand (a new ratio measures every exchange and searches its plan again).
+RESOLVE_KEEP = 0.25
 CPU_SMOOTHING = 0.5  # weight of the newest round in the CPU cost
 COMPRESSED = ("allgather", "allreduce")
 EXPLORE_TRIES = 2  # rounds an exploration ratio runs at most waiting for a whole round
@@ -77,6 +98,12 @@ class CompressionPolicy:
     _solved_gain: float = 0.0  # the model's gain at the ratio when it was solved
     _last_gain: float = 0.0  # the previous round's gain at the ratio (0: none)
     _gain_resolves: int = 0
+    # the gains have settled: the gain at the solved ratio held within GAIN_SETTLED of the
+    # round before, or (solved with ASSUMED_SLOPE) their slope did (``_slope_settled``)
+    _settled: bool = False
+    _assumed: bool = False  # the ratio was solved with ASSUMED_SLOPE in place of the gains'
+    _resolve_due: str = ""  # why ``choose`` is to solve the ratio again ("": it is not)
+    _slopes: list[float] = field(default_factory=list)  # the gains' slopes, while assumed
 
     @property
     def state(self) -> str:
@@ -121,9 +148,8 @@ class CompressionPolicy:
                 self._timed.add(running.ratio)
         steps = [r.step_s for r in reports]
         step_s = float(np.mean(steps)) if whole_round and min(steps) > 0 else 0.0
-        missed = self._gain_missed(spread, can_act=not self._dense_beats(running, step_s))
-        if missed:
-            return self.trials.restart(missed)
+        self._resolve_due = self._gain_missed(spread,
+                                              can_act=not self._dense_beats(running, step_s))
         if not step_s or running is None:
             return ""
         return self.trials.observe(running, step_s)
@@ -138,25 +164,67 @@ class CompressionPolicy:
                 and 0 < dense <= step_s)
 
     def _gain_missed(self, gains: list[tuple[float, float]], can_act: bool = True) -> str:
-        """Why the ratio is to be solved again ("" if not): the gain this round measured at
-        the solved ratio has settled GAIN_MISS below what the model predicted when it was
-        solved. ``can_act`` False (dense measured faster): a miss is let pass without
+        """Why the ratio is to be solved again ("" if not): the ratio was solved with
+        ASSUMED_SLOPE and the gains' slope has settled (``_slope_settled``), or the gain this
+        round measured at the solved ratio has settled GAIN_MISS below what the model
+        predicted. ``can_act`` False (dense measured faster): it is let pass without
         spending the job's re-solves on it."""
-        if (self.spec.ratio is not None or self.exploring or self._solved_gain <= 0
-                or self._gain_resolves >= GAIN_RESOLVES):
+        if self.spec.ratio is not None or self.exploring or self._solved_gain <= 0:
             return ""
+        resolves_left = self._gain_resolves < GAIN_RESOLVES
+        if self._assumed:
+            return self._slope_settled(gains, can_act) if resolves_left else ""
         observed = next((g for r, g in gains if math.isclose(r, self.ratio, rel_tol=1e-9)),
                         None)
         if observed is None:
             return ""
         previous, self._last_gain = self._last_gain, observed
-        if (previous <= 0 or observed < (1 - GAIN_SETTLED) * previous  # not settled
-                or observed >= (1 - GAIN_MISS) * self._solved_gain or not can_act):
+        if previous <= 0 or observed < (1 - GAIN_SETTLED) * previous:  # still falling
+            return ""
+        self._settled = True  # later solves take the gains' slope as it is
+        if (not resolves_left or observed >= (1 - GAIN_MISS) * self._solved_gain
+                or not can_act):
             return ""
         predicted, self._solved_gain = self._solved_gain, 0.0
         self._gain_resolves += 1
         return (f"gain at ratio {self.ratio:.4g} measured {observed:.3f}, the model "
                 f"predicted {predicted:.3f}")
+
+    def _slope_settled(self, gains: list[tuple[float, float]], can_act: bool) -> str:
+        """Why a ratio solved with ASSUMED_SLOPE is to be solved again ("" if not): this
+        round's gains (of two ratios or more) have a slope within SLOPE_SETTLED of the
+        previous such round's (relative), as that one had of the round's before (a single
+        pair is no sign: 0.158, 0.300, 0.278, 0.360, … 0.525 in a DDP run). The pick depends
+        on the slope, which settles rounds before the gains' level does (it falls while the
+        residuals still grow)."""
+        model = fit_gain(gains)
+        if model is None:
+            return ""
+        self._slopes = [*self._slopes[-2:], model.slope]
+        if len(self._slopes) < 3 or any(
+                abs(now - before) > SLOPE_SETTLED * before
+                for before, now in itertools.pairwise(self._slopes)):
+            return ""
+        self._settled = True
+        if not can_act:
+            return ""
+        self._gain_resolves += 1
+        return (f"gains' slope settled at {model.slope:.2f}: the ratio {self.ratio:.4g} was "
+                f"solved with {ASSUMED_SLOPE:g} assumed")
+
+    def _resolve(self, cost: LinearCost, elements: Sequence[int]) -> str:
+        """The re-solve ``observe`` found due: every exchange is measured again at the new
+        pick, unless it lies within RESOLVE_KEEP of the ratio running, which then stays
+        with the settled model's gain. Returns why the trials start again ("" if not)."""
+        why, self._resolve_due = self._resolve_due, ""
+        if not why or self._ratio_epoch != self.trials.epoch:
+            return ""  # (a new epoch solves the ratio anyway)
+        # as the new epoch would solve it: its trials have measured nothing yet
+        ratio, model, _ = self._solve(cost, elements, new_epoch=True)
+        if abs(math.log(ratio / self.ratio)) <= math.log(1 + RESOLVE_KEEP):
+            self._solved_gain, self._assumed = float(model.gain(self.ratio)), False
+            return ""
+        return self.trials.restart(why)
 
     def _observe_cpu(self, rows: list[list[float]]) -> None:
         """The slowest node's CPU costs gate the iteration. The overhead per group is the
@@ -181,7 +249,9 @@ class CompressionPolicy:
         elements of the current groups (for the ratio's time model); ``predict``: the
         planner's seconds per iteration for a candidate; ``measure_dense``: measure dense
         whatever its prediction (the network's a, b are stale)."""
+        resolved = self._resolve(cost, elements)
         ratio, why_ratio = self._choose_ratio(cost, elements)
+        why_ratio = ", ".join(x for x in (resolved, why_ratio) if x)
         self.ratio = ratio
         if self.spec.exchange != "auto":
             return Candidate(self.spec.exchange, ratio), why_ratio
@@ -215,15 +285,26 @@ class CompressionPolicy:
         if self._ratio_epoch == self.trials.epoch:
             return self.ratio, ""
         self._ratio_epoch = self.trials.epoch
+        ratio, model, why = self._solve(cost, elements)
+        self._assumed = model.assumed
+        self._solved_gain, self._last_gain = float(model.gain(ratio)), 0.0
+        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} ({why})"
+
+    def _solve(self, cost: LinearCost, elements: Sequence[int], new_epoch: bool = False
+               ) -> tuple[float, GainModel, str]:
+        """The ratio picked on the Pareto front now (``new_epoch``: as a new epoch of the
+        trials would pick it), the gain model it was picked with, and what it was picked
+        from, for the log: the step at each end, the gains."""
         model = fit_gain(self._spread) or fit_gain(self.gains)
         assert model is not None  # three ratios tried
-        time_of = self._time_of(cost, elements)
+        if not self._settled:
+            model = steeper_than(model, ASSUMED_SLOPE)
+        time_of = self._time_of(cost, elements, new_epoch)
         ratio, _front = pick_ratio(time_of, model)
-        self._solved_gain, self._last_gain = float(model.gain(ratio)), 0.0
-        # what it was picked from, for the log: the step at each end, the gains
         ends = ", ".join(f"{r:g}: {time_of(r) * 1e3:.1f} ms, gain {float(model.gain(r)):.3f}"
                          for r in (0.01, 0.1))
-        return ratio, f"ratio {self.ratio:g}→{ratio:.4g} (Pareto/ASF; {ends})"
+        assumed = f"slope {ASSUMED_SLOPE:g} assumed, " if model.assumed else ""
+        return ratio, model, f"Pareto/ASF; {assumed}{ends}"
 
     def _exchanges(self) -> tuple[str, ...]:
         """The compressed exchanges ``auto`` measures. With two nodes only the allgather: its
@@ -243,19 +324,21 @@ class CompressionPolicy:
                                candidate.ratio, self.itemsize, self.cpu)
         return sum(line(n * self.itemsize) for n in elements)
 
-    def _time_of(self, cost: LinearCost, elements: Sequence[int]) -> Callable[[float], float]:
+    def _time_of(self, cost: LinearCost, elements: Sequence[int], new_epoch: bool = False
+                 ) -> Callable[[float], float]:
         """Seconds per iteration against the ratio: between the ratios measured (in this
-        epoch, else their latest step), the measured steps (interpolated over log ratio);
-        beyond them the cost model, shifted to meet the nearest measurement (the model
-        misses the compute and what it cannot see)."""
+        epoch unless ``new_epoch``, else their latest step), the measured steps
+        (interpolated over log ratio); beyond them the cost model, shifted to meet the
+        nearest measurement (the model misses the compute and what it cannot see)."""
         def model(ratio: float) -> float:
             return min(self.model_s(Candidate(e, ratio), cost, elements)
                        for e in self._exchanges())
 
         # Ratios not measured in this epoch keep their latest step: the cost model alone
         # misses the compute, so a new epoch would see a flat time and pick the largest gain.
+        this_epoch = {} if new_epoch else self.trials.measured
         fastest = reachable_steps({**_fastest_per_ratio(self.trials.latest),
-                                   **_fastest_per_ratio(self.trials.measured)})
+                                   **_fastest_per_ratio(this_epoch)})
         if not fastest:
             return model
         xs = [math.log(r) for r in sorted(fastest)]

@@ -17,20 +17,25 @@ from commd.compression.momentum import add_momentum
 from commd.compression.topk import topk_count
 from commd.job.measurements import CommSample, IterationGains
 from commd.job.schedule import Plan
-from commd_protocol.peer import ALLGATHER, ALLREDUCE
+from commd_protocol.peer import ALLGATHER, ALLREDUCE, REPORT_EVERY
 
 INDEX_BYTES = 4  # int32 indices travel beside an allgather's values
 # Every this many iterations a `topk:auto` job's nodes also work out the gains of the
 # smaller explored ratios from what they selected (a partition of the k values sent, ~20 ns
-# per value here: 51 ms for ResNet-50's 2.56 M at ratio 0.1), while the job explores; after
-# LOWER_GAINS_EARLY iterations ten times less often, to keep the gain model fresh.
+# per value here: 51 ms for ResNet-50's 2.56 M at ratio 0.1), while the job explores; then
+# once a report round until LOWER_GAINS_SETTLING (the coordinator watches the gains' slope
+# settle round by round after its first solve, compression_policy.py), then ten times less
+# often than at first, to keep the gain model fresh.
 LOWER_GAINS_EVERY = 5
 LOWER_GAINS_EARLY = 50
+LOWER_GAINS_SETTLING = 100
 
 
 def lower_gains_due(iteration: int) -> bool:
     """Whether this iteration's selections also give the smaller ratios' gains."""
-    every = LOWER_GAINS_EVERY if iteration < LOWER_GAINS_EARLY else 10 * LOWER_GAINS_EVERY
+    every = (LOWER_GAINS_EVERY if iteration < LOWER_GAINS_EARLY
+             else REPORT_EVERY if iteration < LOWER_GAINS_SETTLING
+             else 10 * LOWER_GAINS_EVERY)
     return iteration % every == 0
 
 
