@@ -57,13 +57,13 @@ GAIN_SETTLED = 0.1
 GAIN_RESOLVES = 1
 # The least slope s (gain ∝ ratio^s) a solve assumes before the gains have settled: the
 # build-up flattens the early curve (0.05 in the exploration rounds of our DDP task, then
-# 0.12-0.16, 0.24-0.30, 0.19-0.37, 0.30-0.46 over rounds 3-6, settled at 0.30-0.53; a
+# 0.12-0.16, 0.23-0.30, 0.19-0.37, 0.30-0.46 over rounds 3-6, settled at 0.30-0.53; a
 # Gaussian E gives 0.72 between 0.01 and 0.1), and solved on it the first pick was
 # 0.011-0.016, whose trials and plan search were all spent when the settled re-solve moved
 # the ratio to 0.036-0.052 (searches ran into step 112-132).
 ASSUMED_SLOPE = 0.5
 # Slopes within this fraction of the previous round's, twice in a row, have settled (on our
-# DDP task rounds 3-6 gave 0.12-0.16, 0.27-0.36, 0.30-0.47, 0.44-0.53, and 0.39-0.53 later;
+# DDP task rounds 3-6 gave 0.12-0.16, 0.23-0.30, 0.19-0.37, 0.30-0.46, and 0.30-0.53 later;
 # the pick moves ~8 % per 0.05 of slope).
 SLOPE_SETTLED = 0.15
 # A re-solve whose pick lies within this much of the ratio running keeps it: its trials and
