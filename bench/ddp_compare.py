@@ -60,6 +60,7 @@ MODELS = {
     "deep_mlp": ("48 x Linear(256, 256): 96 small tensors, 3.2 M parameters", 64),
 }
 LOSS_TAIL = 10  # the final loss: the mean of the last this many steps
+LOSS_MARGIN = 0.05  # the issue's target: a final loss at most 5 % above dense's
 SMOOTH = 9  # steps in the plot's centred moving average
 
 
@@ -400,6 +401,21 @@ class Outcome:
     def held_out_loss(self) -> float:
         return statistics.fmean(self.held_out)
 
+    def stream_losses(self) -> list[float]:
+        """Each repeat's (data stream's) final loss."""
+        return [statistics.fmean(curve[-LOSS_TAIL:]) for curve in self.curves]
+
+
+def streams_within(outcome: Outcome, dense: Outcome, margin: float = LOSS_MARGIN) -> str:
+    """"k of n": the streams whose final loss is at most ``margin`` above dense's on the same
+    stream (the repeats of both ran the same data streams, in order); "-" if they differ."""
+    mine, base = outcome.stream_losses(), dense.stream_losses()
+    if not mine or len(mine) != len(base):
+        return "-"
+    within = sum(loss <= (1 + margin) * reference for loss, reference in zip(mine, base,
+                                                                            strict=True))
+    return f"{within} of {len(mine)}"
+
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
     impls = args.impls.split(",")
@@ -444,16 +460,19 @@ def run_variants(link: str, nodes: Sequence[Node], args: argparse.Namespace
 
 
 def variant_table(outcomes: dict[Variant, Outcome]) -> str:
-    """variant, ms/step, against torch DDP, final loss, against commd dense, ranks agree."""
-    torch_dense = outcomes.get(Variant("torch"))
+    """variant, ms/step, against torch DDP and against PowerSGD, final loss, against commd
+    dense, the streams within LOSS_MARGIN of dense's, held-out loss, ranks agree."""
+    def median_ms(variant: Variant) -> float | None:
+        outcome = outcomes.get(variant)
+        return statistics.median(outcome.means_ms) if outcome and outcome.means_ms else None
+
+    torch_ms, powersgd_ms = median_ms(Variant("torch")), median_ms(Variant("torch", "powersgd"))
     commd_dense = outcomes.get(Variant("commd", "none"))
-    torch_ms = statistics.median(torch_dense.means_ms) if torch_dense and \
-        torch_dense.means_ms else None
     dense = commd_dense if commd_dense and commd_dense.curves else None
     rows = []
     for variant, outcome in outcomes.items():
         if not outcome.means_ms:
-            rows.append([variant.label, "failed", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([variant.label, "failed", *["-"] * 9])
             continue
         ms, loss, held = (statistics.median(outcome.means_ms), outcome.final_loss(),
                           outcome.held_out_loss())
@@ -461,12 +480,15 @@ def variant_table(outcomes: dict[Variant, Outcome]) -> str:
                   if len(outcome.means_ms) > 1 else "")
         rows.append([
             variant.label, f"{ms:.1f}{spread}", f"{ms / torch_ms:.2f}" if torch_ms else "-",
+            f"{ms / powersgd_ms:.2f}" if powersgd_ms else "-",
             f"{loss:.3f}", f"{loss / dense.final_loss():.3f}" if dense else "-",
+            streams_within(outcome, dense) if dense else "-",
             f"{held:.3f}", f"{held / dense.held_out_loss():.3f}" if dense else "-",
             ", ".join(sorted(set(outcome.ran) - {""})) or "-", "yes" if outcome.agree else "NO",
         ])
-    header = ["variant", "ms/step", "× torch DDP", f"final loss (last {LOSS_TAIL})",
-              "× commd none", "held-out loss", "× commd none", "ran at the end", "ranks agree"]
+    header = ["variant", "ms/step", "× torch DDP", "× PowerSGD", f"final loss (last {LOSS_TAIL})",
+              "× commd none", f"streams ≤ +{LOSS_MARGIN:.0%}", "held-out loss", "× commd none",
+              "ran at the end", "ranks agree"]
     return markdown_table(header, rows)
 
 
