@@ -219,6 +219,7 @@ def test_an_assumed_slope_is_solved_again_once_the_gains_slope_has_settled() -> 
     # solved with 0.46 where 0.5 was assumed: within RESOLVE_KEEP, the ratio and its
     # trials stand
     assert policy.ratio == ratio and policy.trials.epoch == epoch
+    assert "keeping it" in policy.take_note() and policy.take_note() == ""  # said once
 
 
 def test_a_settled_slope_while_dense_measured_faster_keeps_the_re_solve() -> None:

@@ -105,6 +105,7 @@ class CompressionPolicy:
     _assumed: bool = False  # the ratio was solved with ASSUMED_SLOPE in place of the gains'
     _resolve_due: str = ""  # why ``choose`` is to solve the ratio again ("": it is not)
     _slopes: list[float] = field(default_factory=list)  # the gains' slopes, while assumed
+    _note: str = ""  # a decision that changes no plan, for the log (``take_note``)
 
     @property
     def state(self) -> str:
@@ -224,8 +225,16 @@ class CompressionPolicy:
         ratio, model, _ = self._solve(cost, elements, new_epoch=True)
         if abs(math.log(ratio / self.ratio)) <= math.log(1 + RESOLVE_KEEP):
             self._solved_gain, self._assumed = float(model.gain(self.ratio)), False
+            self._note = (f"{why}: solved again to {ratio:.4g}, within {RESOLVE_KEEP:.0%} of "
+                          f"{self.ratio:.4g}: keeping it")
             return ""
         return self.trials.restart(why)
+
+    def take_note(self) -> str:
+        """What was decided without changing the plan (a re-solve that kept the ratio), once,
+        for the log ("" if nothing)."""
+        note, self._note = self._note, ""
+        return note
 
     def _observe_cpu(self, rows: list[list[float]]) -> None:
         """The slowest node's CPU costs gate the iteration. The overhead per group is the
