@@ -98,14 +98,35 @@ def policy_after_exploring(latest: dict[float, float]) -> CompressionPolicy:
     return policy
 
 
+# a DDP-sized group on a 1 Gbit/s-like link, for the ratio's time model
+COST, ELEMENTS = LinearCost(1e-4, 8e-9), [3_170_000]
+# gains measured before error feedback's residuals build up: near 1 for every ratio
+EARLY_GAINS = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
+
+
+def policy_on_early_gains(settled: bool = False) -> CompressionPolicy:
+    """A policy about to solve on EARLY_GAINS; ``settled``: as if the gains had settled."""
+    policy = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
+    policy._settled = settled
+    policy.gains = policy._spread = EARLY_GAINS
+    return policy
+
+
+def policy_running_an_assumed_ratio() -> CompressionPolicy:
+    """A policy that solved on EARLY_GAINS (the slope assumed) and runs that ratio."""
+    policy = policy_on_early_gains()
+    policy.ratio, _ = policy._choose_ratio(COST, ELEMENTS)
+    policy.running = Candidate("allgather", policy.ratio)
+    return policy
+
+
 def test_a_slow_trial_of_a_small_ratio_does_not_push_the_pick_to_the_largest() -> None:
     """The DDP run at 1 Gbit/s: explored 0.01 (41.7 ms) and 0.1 (63.5 ms) one group each,
     then 0.0129's trial ran 10 groups at 70 ms; solved again, the ratio went to 0.1 (59 ms a
     step where the other streams ran 0.03 at 46)."""
-    cost, elements = LinearCost(1e-4, 8e-9), [3_170_000]
-    clean, _ = policy_after_exploring({0.01: 0.0417, 0.1: 0.0635})._choose_ratio(cost, elements)
+    clean, _ = policy_after_exploring({0.01: 0.0417, 0.1: 0.0635})._choose_ratio(COST, ELEMENTS)
     slow, why = policy_after_exploring({0.01: 0.0417, 0.0129: 0.070, 0.1: 0.0635}
-                                       )._choose_ratio(cost, elements)
+                                       )._choose_ratio(COST, ELEMENTS)
     assert 0.02 < clean < 0.08
     assert slow == pytest.approx(clean), why
 
@@ -131,7 +152,7 @@ def observe_and_choose(policy: CompressionPolicy, reports: list[PeerProfile]) ->
     """One round as the Replanner feeds it: observed, then the next candidate chosen (where
     a re-solve found due acts); the reasons of both."""
     retrial = policy.observe(reports, whole_round=True)
-    _, why = policy.choose(LinearCost(1e-4, 8e-9), [3_170_000], lambda c: 0.05)
+    _, why = policy.choose(COST, ELEMENTS, lambda c: 0.05)
     return ", ".join(x for x in (retrial, why) if x)
 
 
@@ -176,19 +197,14 @@ def test_a_first_solve_on_the_early_flat_gains_assumes_the_slope() -> None:
     """On our DDP task the first solve saw gains near 1 for every ratio and picked
     0.011-0.016, where the settled gains pick 0.036-0.052. Before the gains have settled it
     picks with ASSUMED_SLOPE; once settled, with the gains' own slope, flat or not."""
-    cost, elements = LinearCost(1e-4, 8e-9), [3_170_000]
-    early = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
-    first = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
-    first._settled = False
-    first.gains = first._spread = early
-    ratio, why = first._choose_ratio(cost, elements)
+    first = policy_on_early_gains()
+    ratio, why = first._choose_ratio(COST, ELEMENTS)
     assert f"slope {ASSUMED_SLOPE:g} assumed" in why and first._assumed
-    time_of = first._time_of(cost, elements)
+    time_of = first._time_of(COST, ELEMENTS)
     assert ratio == pytest.approx(pick_ratio(time_of, GainModel(0.0, -ASSUMED_SLOPE))[0])
 
-    settled = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
-    settled.gains = settled._spread = early
-    flat_ratio, why = settled._choose_ratio(cost, elements)
+    settled = policy_on_early_gains(settled=True)
+    flat_ratio, why = settled._choose_ratio(COST, ELEMENTS)
     assert "assumed" not in why and not settled._assumed
     assert flat_ratio < ratio / 2
 
@@ -204,11 +220,7 @@ def test_an_assumed_slope_is_solved_again_once_the_gains_slope_has_settled() -> 
     """A DDP run's slopes after the first solve: 0.158, 0.300, 0.278, 0.360 (still rising,
     0.525 later); one pair within SLOPE_SETTLED (0.300, 0.278) is no sign: the re-solve it
     set off went to 0.031 on a flat 0.278. Two pairs in a row are."""
-    policy = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
-    policy._settled = False
-    policy.gains = policy._spread = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
-    policy.ratio, _ = policy._choose_ratio(LinearCost(1e-4, 8e-9), [3_170_000])
-    policy.running = Candidate("allgather", policy.ratio)
+    policy = policy_running_an_assumed_ratio()
     assert policy._assumed
     ratio, epoch = policy.ratio, policy.trials.epoch
     for slope in (0.158, 0.300, 0.278, 0.360, 0.45, 0.47):
@@ -226,11 +238,7 @@ def test_a_settled_slope_while_dense_measured_faster_keeps_the_re_solve() -> Non
     """As for a gain miss: while dense measured, this epoch, no slower than the ratio's
     candidate runs, a settled slope opens no trials and spends no re-solve; the gains count
     as settled (later solves take their slope)."""
-    policy = policy_after_exploring({0.01: 0.040, 0.1: 0.060})
-    policy._settled = False
-    policy.gains = policy._spread = [(0.001, 0.93), (0.01, 0.95), (0.1, 0.97)]
-    policy.ratio, _ = policy._choose_ratio(LinearCost(1e-4, 8e-9), [3_170_000])
-    policy.running = Candidate("allgather", policy.ratio)
+    policy = policy_running_an_assumed_ratio()
     policy.trials.measured = {DENSE: 0.030}  # dense beats the 0.05 s rounds below
     for slope in (0.2, 0.2, 0.2):
         observe_and_choose(policy, slope_round(slope))

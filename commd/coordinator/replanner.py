@@ -129,7 +129,8 @@ class Replanner:
         last = max(r.iteration for r in reports)
         effective = 0 if round_number == 0 else last + 1 + DECISION_LAG
         policy = self.policy
-        # a decision that changed no plan still reaches the log (after the replan: no cause)
+        # a decision that changed no plan (a re-solve that kept the ratio) still reaches the
+        # log; joined after the replan above, so it causes none
         said = ", ".join(x for x in (reason, policy.take_note() if policy else "") if x)
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, said or "no drift", self.exchanges,
