@@ -33,16 +33,21 @@ Tensors = list[torch.Tensor]
 Exchange = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def _hand_over(correction: MomentumCorrection, step: int, exchange: Exchange
-               ) -> tuple[Tensors, Tensors]:
+def _hand_over(correction: MomentumCorrection, step: int, exchange: Exchange,
+               fresh: bool = False) -> tuple[Tensors, Tensors]:
     """One backward: each gradient of ``step`` goes through ``correction.send``, and
     ``exchange(index, handed)`` stands in for commd's result in ``.grad``. Returns what was
-    handed over and what came back."""
+    handed over and what came back. ``fresh``: the gradient comes as autograd's own tensor
+    after ``zero_grad`` (the view holds last iteration's result), not already in the view."""
     handed, returned = [], []
     for index, (param, gradient) in enumerate(zip(correction.params, _gradients(step),
                                                   strict=True)):
-        view = gradient.clone()
-        correction.send(index, view)
+        if fresh:
+            view = torch.full_like(gradient, float("nan"))  # whatever the view held
+            correction.send(index, view, gradient.clone())
+        else:
+            view = gradient.clone()
+            correction.send(index, view)
         handed.append(view.clone())
         param.grad = exchange(index, view)
         returned.append(param.grad.clone())
@@ -54,11 +59,13 @@ def _exact(index: int, handed: torch.Tensor) -> torch.Tensor:
     return handed
 
 
-def _train(ran_dense: list[bool], weight_decay: float = 0.0, decay_from: int = 0
+def _train(ran_dense: list[bool], weight_decay: float = 0.0, decay_from: int = 0,
+           fresh: bool = False
            ) -> tuple[list[Tensors], list[nn.Parameter], list[nn.Parameter], list[Tensors]]:
     """Iterations whose ``done`` reported ``ran_dense[t]``, with ``weight_decay`` from
-    iteration ``decay_from`` on. Returns what each iteration handed over, the corrected
-    parameters, momentum SGD's, and the optimizer's momentum buffers before each iteration."""
+    iteration ``decay_from`` on (``fresh``: as for ``_hand_over``). Returns what each
+    iteration handed over, the corrected parameters, momentum SGD's, and the optimizer's
+    momentum buffers before each iteration."""
     params, reference = _params(0), _params(0)
     correction = MomentumCorrection(params)
     optimizer = torch.optim.SGD(params, lr=0.05, momentum=MOMENTUM)
@@ -72,7 +79,7 @@ def _train(ran_dense: list[bool], weight_decay: float = 0.0, decay_from: int = 0
                     group["weight_decay"] = weight_decay
             buffers.append([optimizer.state[p]["momentum_buffer"].clone()
                             if p in optimizer.state else torch.zeros_like(p) for p in params])
-            sent, _ = _hand_over(correction, step, _exact)
+            sent, _ = _hand_over(correction, step, _exact, fresh)
             correction.received(dense)
             optimizer.step()
             for param, gradient in zip(reference, _gradients(step), strict=True):
@@ -94,6 +101,21 @@ def test_an_exact_exchange_gives_momentum_sgd_whatever_ran_dense(
     _, params, reference, _ = _train(pattern, weight_decay, decay_from)
     for param, want in zip(params, reference, strict=True):
         torch.testing.assert_close(param, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_a_fresh_gradient_is_handed_over_as_the_same_bits(weight_decay: float) -> None:
+    """After ``zero_grad`` autograd's fresh tensor is written into the view in the pass that
+    forms the velocity (or copied, while resting): the same bits as the gradient loaded into
+    the view first and corrected there, in every state (first, top-k, dense, restarted)."""
+    pattern = [False, True, True, True, False, False, True, False, False]
+    in_place, params, _, _ = _train(pattern, weight_decay)
+    fresh, fresh_params, _, _ = _train(pattern, weight_decay, fresh=True)
+    for step, (want, got) in enumerate(zip(in_place, fresh, strict=True)):
+        for index, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(a, b), f"iteration {step}, tensor {index}"
+    for param, want in zip(fresh_params, params, strict=True):
+        assert torch.equal(param, want)
 
 
 def test_after_two_dense_iterations_the_gradients_go_as_they_are() -> None:

@@ -206,7 +206,10 @@ def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
                 x, y = batch("mlp", 0, step, micro, 4)
                 context = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
                 with context:
-                    loss_of(ddp, "mlp", 0, x, y).backward()
+                    loss = loss_of(ddp, "mlp", 0, x, y)
+                    if micro == 0:  # the forward re-attaches no zeroed views (a pass)
+                        assert all(param.grad is None for param in model.parameters())
+                    loss.backward()
                 loss_of(reference_model, "mlp", 0, x, y).backward()
             flat = ddp._reducer._slots.buckets[0].client.flat
             start, stop = flat.ctypes.data, flat.ctypes.data + flat.nbytes

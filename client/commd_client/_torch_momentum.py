@@ -134,16 +134,23 @@ class MomentumCorrection(StepHook):
 
     # --- backward: what is sent ----------------------------------------------------------------
 
-    def send(self, index: int, view: torch.Tensor) -> None:
-        """``view`` holds this rank's gradient, about to be handed to commd: make it the
-        velocity ``m·u + g`` (and remember it), unless the last two iterations ran dense."""
-        if not self.active or not self.sending_velocity:
-            return
-        velocity = self._velocity[index]
-        base = self._image(index) if self._stale else velocity
+    def send(self, index: int, view: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """``view`` is about to be handed to commd: make it this rank's velocity ``m·u + g``
+        (and remember it), unless the last two iterations ran dense. ``grad``: the gradient
+        where it is not in ``view`` yet (autograd's fresh tensor), written into the view in
+        the same pass; None: ``view`` holds it."""
         with torch.no_grad():
+            if not self.active or not self.sending_velocity:
+                if grad is not None:
+                    view.copy_(grad)
+                return
+            velocity = self._velocity[index]
+            base = self._image(index) if self._stale else velocity
             if base is not None:
-                view.add_(base, alpha=self.momentum or 0.0)
+                source = view if grad is None else grad
+                torch.add(source, base, alpha=self.momentum or 0.0, out=view)
+            elif grad is not None:
+                view.copy_(grad)
             if velocity is None:  # u = 0 before: u = g
                 self._velocity[index] = view.detach().clone()
             else:

@@ -7,8 +7,12 @@ Lifecycle of the gradient buffers:
 - At the end of that backward rank 0's observed order is broadcast (so every rank registers
   the same layer list), one commd job per gradient dtype is registered with the layers in
   that order (the flat buffer is laid out in backward order, so the planner's groups are
-  contiguous), the gradients are copied in once, reduced, and every ``.grad`` becomes a view
-  of the shared buffer: from then on nothing is copied in or out.
+  contiguous), the gradients are copied in, reduced, and every ``.grad`` becomes a view of
+  the shared buffer, where the daemon leaves the result: nothing is copied out.
+- ``zero_grad()`` sets ``.grad`` to None and autograd hands the next gradient over as a fresh
+  tensor: its hook copies it into the view, one pass (the correction's velocity is written
+  from it in that pass) and makes ``.grad`` the view again. Re-attaching zeroed views at the
+  forward would cost a zeroing pass plus autograd's accumulation into them.
 - Later backwards report each parameter ready from its hook (``client.ready``); a callback
   queued on the autograd engine marks the rest (unused parameters: zeros, or what their
   ``.grad`` holds) and waits, so ``backward()`` returns with averaged gradients.
@@ -109,14 +113,10 @@ class Reducer:
     # --- forward --------------------------------------------------------------------------------
 
     def prepare_forward(self) -> None:
-        """Fix this iteration's sync decision; re-attach views that zero_grad set to None."""
+        """Fix this iteration's sync decision."""
         self._check()
         self._queued = False  # a backward that raised midway never ran its callback
         self._sync_backward = self.require_sync
-        if not self.registered:
-            return
-        for index in range(len(self.params)):
-            self._slots.attach_for_forward(index)
 
     # --- backward -------------------------------------------------------------------------------
 
@@ -135,15 +135,13 @@ class Reducer:
         if not self.registered:
             self._observed.setdefault(index)
             return
-        if not self._slots.staged:
-            self._slots.load(index)  # zero copy: .grad is the view (copied once if replaced)
         if self._sync_backward:
-            if self._slots.staged:
-                self._slots.load(index)
-            self._send(index)
+            self._load(index)
             bucket, layer = self._slots.layer(index)
             self._guard(bucket.client.ready, layer)
             self._marked[index] = True
+        elif not self._slots.staged:
+            self._slots.load(index)  # .grad is the view: later backwards accumulate there
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -170,16 +168,19 @@ class Reducer:
             layers = [0]
             for layer, index in enumerate(bucket.params, start=1):
                 if not self._marked[index]:
-                    self._slots.load(index)
-                    self._send(index)
+                    self._load(index)
                     layers.append(layer)
             bucket.flags.copy_(torch.from_numpy(self._used[bucket.params]))
             bucket.client.ready(layers)
 
-    def _send(self, index: int) -> None:
-        """The gradient in the buffer is about to be handed over (momentum correction)."""
-        if self.correction is not None:
-            self.correction.send(index, self._slots.view(index))
+    def _load(self, index: int) -> None:
+        """The gradient into the buffer, about to be handed over: copied in, or under the
+        rank's momentum correction its velocity written from it in the same pass."""
+        correction = self.correction
+        if correction is None:
+            self._slots.load(index)
+            return
+        correction.send(index, self._slots.view(index), self._slots.claim(index))
 
     def _wait_all(self) -> None:
         for bucket in self._slots.buckets:

@@ -2,8 +2,13 @@
 
 Two ways, chosen once per wrapper:
 
-- zero copy (the default): ``.grad`` *is* a view of the shared buffer, so autograd accumulates
-  into it and the daemon reduces it in place; nothing is copied.
+- in place (the default): ``.grad`` *is* a view of the shared buffer once the parameter's
+  gradient is final, and the daemon reduces it there; nothing is copied out. Autograd hands
+  over a fresh tensor after ``zero_grad()`` (``.grad`` None), copied into the view once
+  (or, under the rank's momentum correction, its velocity written from it in the same
+  pass); later backwards of a ``no_sync`` window accumulate into the view. One pass over the
+  gradients: keeping the view attached through ``zero_grad`` would make it two, a zeroing
+  at the forward and autograd's accumulation into it.
 - staged (a half-precision comm hook): the shared buffer holds the gradients in the wire dtype;
   each gradient is cast into it before it is marked ready and cast back after the reduction,
   as torch's ``fp16_compress_hook`` does with its buckets.
@@ -55,27 +60,32 @@ class Slots:
         bucket, layer = self.layer(index)
         return bucket.grads[layer - 1]
 
-    def attach_for_forward(self, index: int) -> None:
-        """Zero copy: give a None ``.grad`` its zeroed view again (after zero_grad)."""
-        if not self.staged and self.params[index].grad is None:
-            self.load_zeros(index)
-
     def load(self, index: int) -> None:
         """The parameter's gradient is final: put it into the buffer."""
+        grad = self.claim(index)
+        if grad is not None:
+            with torch.no_grad():
+                self.view(index).copy_(grad)
+
+    def claim(self, index: int) -> torch.Tensor | None:
+        """In place: make ``.grad`` the view. Returns the gradient still to be written into
+        the view: autograd's fresh tensor (the first gradient since ``zero_grad``), or,
+        staged, ``.grad``; None where the view holds it already (accumulated there) or there
+        was none (zeros are loaded)."""
         param, view = self.params[index], self.view(index)
         grad = param.grad
         if grad is None:
             self.load_zeros(index)
-        elif self.staged:
-            with torch.no_grad():
-                view.copy_(grad)
-        elif grad.data_ptr() != view.data_ptr():  # replaced by another tensor: copy once
-            with torch.no_grad():
-                view.copy_(grad)
-            param.grad = view
+            return None
+        if self.staged:
+            return grad
+        if grad.data_ptr() == view.data_ptr():
+            return None
+        param.grad = view
+        return grad
 
     def load_zeros(self, index: int) -> None:
-        """No gradient on this rank: contribute zeros (zero copy: ``.grad`` is the view)."""
+        """No gradient on this rank: contribute zeros (in place: ``.grad`` is the view)."""
         view = self.view(index)
         view.zero_()
         if not self.staged:
