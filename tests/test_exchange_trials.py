@@ -150,6 +150,20 @@ def test_the_runner_up_is_a_candidate_of_now_not_an_explored_ratio() -> None:
     assert trials.chosen == solved and trials.epoch == 0
 
 
+def test_an_explored_ratios_fast_round_does_not_keep_dense_from_being_measured() -> None:
+    """On loopback the explored 0.01's one-group round (33 ms) beat dense's prediction (36
+    ms); the solved ratio's trial ran 68 ms. Dense is measured against the candidate's step
+    and chosen (it ran 35 ms)."""
+    explored, solved = Candidate("allgather", 0.01), Candidate("allgather", 0.045)
+    trials = ExchangeTrials()
+    trials.observe(Candidate("allgather", 0.1), 0.049)
+    trials.observe(explored, 0.033)
+    predicted = {DENSE: 0.0356, solved: 0.0347}
+    ran = run_trials(trials, predicted, {DENSE: 0.035, solved: 0.068}, rounds=3)
+    assert ran[:2] == [solved, DENSE]
+    assert trials.chosen == DENSE
+
+
 def test_dense_wins_a_tie_compression_must_pay_off_by_more_than_noise() -> None:
     trials = ExchangeTrials()
     predicted = {DENSE: 0.04, AG: 0.03}
