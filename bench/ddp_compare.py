@@ -301,16 +301,24 @@ def run_job(variant: Variant, entry: str, nodes: Sequence[Node], args: argparse.
         env = {"GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1"}
         processes.append(start_json_worker(node.wrap([sys.executable, str(HERE), "_rank"]), spec,
                                            env=env))
-    results = []
-    for rank, done in enumerate(finish(processes, args.timeout)):
-        if done.returncode != 0:
-            raise RuntimeError(f"{variant.label} rank {rank} failed (daemon logs in "
-                               f"{Path(nodes[rank].socket).parent}):\n{done.stderr[-3000:]}")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    results = rank_results(processes, nodes, args.timeout, variant.label)
     agree = len({round(r["checksum"], 6) for r in results}) == 1
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in results),
                                                      strict=True)]
     return {**results[0], "losses": losses, "agree": agree}
+
+
+def rank_results(processes: Sequence[subprocess.Popen[str]], nodes: Sequence[Node],
+                 timeout: float, label: str) -> list[dict[str, Any]]:
+    """Each rank's JSON result (its last line of output), in rank order; a rank that failed
+    raises with its stderr's tail and where its daemon's log is."""
+    results = []
+    for rank, done in enumerate(finish(processes, timeout)):
+        if done.returncode != 0:
+            raise RuntimeError(f"{label} rank {rank} failed (daemon logs in "
+                               f"{Path(nodes[rank].socket).parent}):\n{done.stderr[-3000:]}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
 
 
 def free_port() -> int:

@@ -38,7 +38,7 @@ import ddp_compare  # noqa: E402  (a sibling file, found through the line above)
 import ddp_tasks  # noqa: E402
 
 from commd.compression.topk import parse_compression  # noqa: E402
-from commd.testing.processes import finish, start_json_worker  # noqa: E402
+from commd.testing.processes import start_json_worker  # noqa: E402
 
 WAYS = ("fresh", "zeroed")  # zero_grad(set_to_none=True), zero_grad(set_to_none=False)
 
@@ -47,15 +47,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank: steps alternate between the two ways; rank 0's step and backward seconds."""
     import torch
 
-    from commd_client.torch import DistributedDataParallel
-
     torch.set_num_threads(1)
     model = ddp_tasks.deep_mlp()
-    wrapped = DistributedDataParallel(
-        model, job=spec["job"], rank=spec["rank"], world_size=2, local_rank=0,
-        local_world_size=1, coordinator=spec["coordinator"], socket=spec["socket"],
-        timeout=spec["timeout"], compression=spec["compression"],
-    )
+    wrapped, close = ddp_compare.wrap(model, spec)
     optimizer = ddp_tasks.optimizer(wrapped.parameters(), 0.01, ddp_tasks.MOMENTUM)
     stream = ddp_tasks.TeacherStream(spec["rank"], 64, 0)
     steps: dict[str, list[float]] = {way: [] for way in WAYS}
@@ -75,7 +69,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 steps[way].append(time.perf_counter() - start)
                 backwards[way].append(backward - forward)
     finally:
-        wrapped.close()
+        close()
     return {"steps": steps, "backwards": backwards}
 
 
@@ -104,17 +98,13 @@ def run_job(compression: str, nodes: Sequence[ddp_compare.Node], args: argparse.
     job = f"handover-{os.getpid()}-{compression.replace(':', '-')}"
     processes = []
     for rank, node in enumerate(nodes):
-        spec = {"job": job, "rank": rank, "compression": compression, "steps": args.steps,
+        spec = {"impl": "commd", "job": job, "rank": rank, "world_size": len(nodes),
+                "compression": compression, "planner": None, "steps": args.steps,
                 "warmup": args.warmup, "timeout": args.timeout,
                 "coordinator": nodes[0].address, "socket": node.socket}
         processes.append(start_json_worker([sys.executable, str(HERE), "_rank"], spec,
                                            env={"OMP_NUM_THREADS": "1"}))
-    results = []
-    for rank, done in enumerate(finish(processes, args.timeout)):
-        if done.returncode != 0:
-            raise RuntimeError(f"{compression}: rank {rank} failed:\n{done.stderr[-3000:]}")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results[0]
+    return ddp_compare.rank_results(processes, nodes, args.timeout, compression)[0]
 
 
 def parser() -> argparse.ArgumentParser:
