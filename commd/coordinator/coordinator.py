@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from commd.coordinator.replanner import Replanner
-from commd.coordinator.validation import join_problem, profile_problem
+from commd.coordinator.validation import (
+    JoinLimits,
+    heartbeat_problem,
+    join_problem,
+    profile_problem,
+)
 from commd.coordinator.watch import JobWatch
 from commd_protocol import (
     ErrorCode,
@@ -49,6 +54,25 @@ class Formation:
     reports: dict[int, dict[bytes, PeerProfile]] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)  # forming has a deadline
     watch: JobWatch = field(default_factory=JobWatch)  # liveness of its nodes, its stall
+    # Kept as joins come, so that a join is checked in its own size (Coordinator._check):
+    rank_hosts: dict[int, str] = field(default_factory=dict)  # rank -> its node's engine host
+    lowest: PeerJoin | None = None  # the join holding the lowest rank so far
+
+    @property
+    def ranks_joined(self) -> int:
+        return len(self.rank_hosts)
+
+    def add(self, node: bytes, join: PeerJoin) -> None:
+        self.joins[node] = join
+        self.rank_hosts.update(dict.fromkeys(join.ranks, join.host))
+        if self.lowest is None or min(join.ranks) < min(self.lowest.ranks):
+            self.lowest = join
+
+    def forget(self, join: PeerJoin) -> None:
+        for rank in join.ranks:
+            self.rank_hosts.pop(rank, None)
+        if self.lowest is join:  # rare (a node joining twice): found again among the rest
+            self.lowest = min(self.joins.values(), key=lambda j: min(j.ranks), default=None)
 
 
 @dataclass(frozen=True)
@@ -66,8 +90,9 @@ MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
 
 class Coordinator:
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
-                 deadlines: Deadlines = Deadlines()) -> None:
+                 deadlines: Deadlines = Deadlines(), limits: JoinLimits | None = None) -> None:
         self._deadlines = deadlines
+        self._limits = limits or JoinLimits()  # what one join may ask the coordinator to hold
         self._send = send
         self._store_port = store_port
         self._jobs: dict[str, Formation] = {}
@@ -85,12 +110,17 @@ class Coordinator:
         elif isinstance(message, PeerHeartbeat):
             formation = self._jobs.get(message.job)
             if formation is not None and node in formation.joins:
+                problem = heartbeat_problem(message, formation.joins[node])
+                if problem:
+                    self._abort_all(formation, ErrorCode.INVALID,
+                                    f"a node's heartbeat is refused: {problem}")
+                    return
                 formation.watch.heard(node, time.monotonic(), message)
 
     def _on_join(self, node: bytes, join: PeerJoin) -> None:
-        problem = join_problem(join)
+        problem, code = join_problem(join, self._limits)
         if problem:
-            self._refuse(node, join.job, problem)
+            self._refuse(node, join.job, problem, code)
             return
         formation = self._jobs.get(join.job)
         if formation is not None and formation.formed:
@@ -104,33 +134,41 @@ class Coordinator:
                 self._refuse(node, join.job, limit, ErrorCode.LIMIT)
                 return
             formation = self._jobs[join.job] = Formation(join.job, join.world_size)
-        formation.joins[node] = join
-        formation.watch.heard(node, time.monotonic())
-        problem = self._check(formation)
+        problem = self._check(formation, node, join)
         if problem:
+            formation.joins[node] = join  # told of the abort with the others
             self._abort_all(formation, ErrorCode.MISMATCH, problem)
             return
-        ranks = sum(len(j.ranks) for j in formation.joins.values())
-        if ranks == formation.world_size:
+        formation.watch.heard(node, time.monotonic())
+        if formation.ranks_joined == formation.world_size:
             self._form(formation)
 
-    def _check(self, formation: Formation) -> str:
-        joins = sorted(formation.joins.values(), key=lambda j: min(j.ranks))
-        seen: dict[int, str] = {}  # rank -> the engine address of its node
-        for join in joins:
+    def _check(self, formation: Formation, node: bytes, join: PeerJoin) -> str:
+        """'' and ``join`` recorded when it agrees with the joins so far, else the mismatch.
+        Only the new join is compared (with the lowest-ranked one): the others agreed with
+        that one when they came, so a join costs its own size, not the job's so far."""
+        previous = formation.joins.pop(node, None)
+        if previous is not None:  # the node joined again: its earlier ranks are free again
+            formation.forget(previous)
+        first = formation.lowest
+        if first is None:  # the first join (or every earlier one was taken back)
+            formation.world_size = join.world_size
+        else:
             if join.world_size != formation.world_size:
-                return (
-                    f"ranks {join.ranks} say world size {join.world_size}, ranks "
-                    f"{joins[0].ranks} say {formation.world_size}"
-                )
+                return (f"ranks {join.ranks} say world size {join.world_size}, ranks "
+                        f"{first.ranks} say {formation.world_size}")
             for rank in join.ranks:
-                if rank in seen:
-                    return (f"rank {rank} joined from two nodes, {seen[rank]} and {join.host}: "
+                host = formation.rank_hosts.get(rank)
+                if host is not None:
+                    return (f"rank {rank} joined from two nodes, {host} and {join.host}: "
                             "check RANK on those nodes")
-                seen[rank] = join.host
-            difference = describe_difference(joins[0], join)
+            low, high = (join, first) if min(join.ranks) < min(first.ranks) else (first, join)
+            difference = describe_difference(low, high)
             if difference:
-                return f"ranks {joins[0].ranks} and ranks {join.ranks} differ: {difference}"
+                return f"ranks {low.ranks} and ranks {high.ranks} differ: {difference}"
+            # Equal layers: one list per job, so N nodes' joins hold one copy, not N.
+            join = msgspec.structs.replace(join, layers=first.layers)
+        formation.add(node, join)
         return ""
 
     def _form(self, formation: Formation) -> None:
@@ -272,7 +310,9 @@ class Coordinator:
         formation = self._jobs.get(leave.job)
         if formation is None:
             return
-        formation.joins.pop(node, None)
+        join = formation.joins.pop(node, None)
+        if join is not None:
+            formation.forget(join)
         if not formation.joins:
             del self._jobs[leave.job]
 

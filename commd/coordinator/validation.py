@@ -3,9 +3,11 @@ or a report that does not fit is refused before it touches any job's state."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from commd.compression.topk import parse_compression
 from commd.plan import get_planner
-from commd_protocol import PROTOCOL_VERSION, PeerJoin, PeerProfile
+from commd_protocol import PROTOCOL_VERSION, ErrorCode, PeerHeartbeat, PeerJoin, PeerProfile
 from commd_protocol.checks import (
     finite,
     job_id_problem,
@@ -13,6 +15,8 @@ from commd_protocol.checks import (
     layout_problem,
     ranks_problem,
 )
+from commd_protocol.dtypes import itemsize
+from commd_protocol.limits import MAX_LAYER_ELEMENTS, count_problem, ranks_bound_problem
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 
 MAX_HOST_CHARS = 255  # a DNS name
@@ -21,17 +25,46 @@ MAX_GROUP_OVERHEAD_S = 60.0  # nor is a minute of overhead per group
 # A node reports a row per ratio its round ran (one, two across a plan change) and per smaller
 # explored ratio it worked out (three): far fewer than this.
 MAX_GAIN_ROWS = 32
+# Comm rows carry [iteration, group, bytes] as floats; the planner turns them into ints and
+# numpy int64: magnitudes up to 1e18 stay below 2**63.
+MAX_COMM_KEY = 1e18
 
 
-def join_problem(join: PeerJoin) -> str:
-    """'' when a join is well-formed, else what is wrong with it."""
+@dataclass(frozen=True)
+class JoinLimits:
+    """What one forming job may make the coordinator hold: the daemon's own --max-layers and
+    --max-job-bytes, the same limits a local registration meets (``check_limits``)."""
+
+    max_layers: int = 65536
+    max_job_bytes: int = 1 << 40
+
+
+def join_problem(join: PeerJoin, limits: JoinLimits = JoinLimits()) -> tuple[str, ErrorCode]:
+    """('', …) when a join is well-formed and within ``limits``, else what is wrong with it
+    and the code to refuse it with (LIMIT for a join over a limit)."""
     if join.protocol != PROTOCOL_VERSION:
         return (f"protocol version {join.protocol} is not supported (this daemon speaks "
-                f"{PROTOCOL_VERSION}); run the same commd version on every node")
-    problem = (job_id_problem(join.job) or ranks_problem(join.ranks, join.world_size)
+                f"{PROTOCOL_VERSION}); run the same commd version on every node"), ErrorCode.INVALID
+    # Sizes first: a join over the limits is refused before any per-layer or per-rank work.
+    if len(join.layers) > limits.max_layers:
+        return (f"{len(join.layers)} layers is over this coordinator's limit of "
+                f"{limits.max_layers} (max_layers)"), ErrorCode.LIMIT
+    problem = (job_id_problem(join.job) or ranks_bound_problem("world_size", join.world_size)
+               or ranks_problem(join.ranks, join.world_size)
                or layout_problem(join.dtype, join.op, join.device) or layers_problem(join.layers))
     if problem:
-        return problem
+        return problem, ErrorCode.INVALID
+    largest = max(layer.size for layer in join.layers)
+    if largest > MAX_LAYER_ELEMENTS:
+        return (f"a layer of {largest} elements is over 2**40"), ErrorCode.INVALID
+    nbytes = sum(layer.size for layer in join.layers) * itemsize(join.dtype)
+    if nbytes > limits.max_job_bytes:
+        return (f"the layers need {nbytes} bytes, over this coordinator's limit of "
+                f"{limits.max_job_bytes} bytes per job (max_job_bytes)"), ErrorCode.LIMIT
+    return _join_text_problem(join), ErrorCode.INVALID
+
+
+def _join_text_problem(join: PeerJoin) -> str:
     if not join.host or len(join.host) > MAX_HOST_CHARS:
         return f"engine address {join.host[:40]!r} must be 1-{MAX_HOST_CHARS} characters"
     try:
@@ -44,13 +77,17 @@ def join_problem(join: PeerJoin) -> str:
 
 def profile_problem(profile: PeerProfile, layers: int) -> str:
     """'' when a report round fits a job of ``layers`` layers, else what is wrong with it."""
-    if profile.round < 0:
-        return f"round {profile.round} is negative"
+    problem = (count_problem("round", profile.round)
+               or count_problem("iteration", profile.iteration, -1)
+               or count_problem("plan", profile.plan))
+    if problem:
+        return problem
     if profile.ready_offsets_s and (len(profile.ready_offsets_s) != layers
                                     or not finite(profile.ready_offsets_s)):
         return f"ready_offsets_s must be {layers} finite offsets >= 0"
     for row in profile.comm:
-        if len(row) not in (4, 5) or not finite(row[2:4]) or not finite(row[:2], minimum=-1e18):
+        if len(row) not in (4, 5) or not finite(row[2:4]) or not finite(row[:2], minimum=-1e18) \
+                or max(row[:3]) > MAX_COMM_KEY:
             return f"comm row {row[:6]} must be [iteration, group, bytes, seconds(, kind)]"
         if len(row) == 5 and row[4] not in (ALLREDUCE, ALLGATHER):
             return f"comm row {row[:6]} has an unknown kind {row[4]!r}"
@@ -66,4 +103,25 @@ def profile_problem(profile: PeerProfile, layers: int) -> str:
                 "overhead s/group], each >= 0")
     if not finite((profile.measured_comm_s, profile.iteration_s, profile.step_s)):
         return "measured_comm_s, iteration_s and step_s must be finite and >= 0"
+    return ""
+
+
+def heartbeat_problem(beat: PeerHeartbeat, join: PeerJoin) -> str:
+    """'' when a heartbeat fits the node's join (its ranks, its layers), else what is wrong:
+    the stall inspector reads every beat once a second, so a beat may name each of the
+    node's ranks at most once."""
+    problem = count_problem("iteration", beat.iteration)
+    if problem:
+        return problem
+    if not finite((beat.waiting_s, beat.wire_s)):
+        return "waiting_s and wire_s must be finite and >= 0"
+    if len(beat.missing) > len(join.ranks):
+        return f"missing has {len(beat.missing)} rows for the node's {len(join.ranks)} ranks"
+    ranks, seen = set(join.ranks), set()
+    for row in beat.missing:
+        if len(row) != 2 or row[0] not in ranks or row[0] in seen \
+                or not 0 <= row[1] < len(join.layers):
+            return (f"missing row {row[:4]} must be [one of the node's ranks, once; a layer "
+                    f"0..{len(join.layers) - 1}]")
+        seen.add(row[0])
     return ""

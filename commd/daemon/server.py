@@ -23,6 +23,7 @@ import zmq.asyncio
 import commd
 from commd.compression import native
 from commd.coordinator.coordinator import Coordinator, Deadlines
+from commd.coordinator.validation import JoinLimits
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, serve
 from commd.daemon.handover import BufferSocket
@@ -83,7 +84,8 @@ class Daemon:
         self._rendezvous = Rendezvous(settings)
         self._coordinator = Coordinator(self._send_peer_reply, self._rendezvous.port, Deadlines(
             form_s=settings.timeout_s, peer_s=settings.peer_timeout_s,
-            stall_warn_s=settings.stall_warn_s, stall_s=settings.stall_timeout_s))
+            stall_warn_s=settings.stall_warn_s, stall_s=settings.stall_timeout_s),
+            JoinLimits(max_layers=settings.max_layers, max_job_bytes=settings.max_job_bytes))
         self._security = PeerSecurity()  # the cluster key and who may connect
         self._metrics: Metrics | None = None  # --metrics-listen (docs/metrics.md)
         self._client_guard = Guard("client")
@@ -109,7 +111,7 @@ class Daemon:
         self._buffers.start()
         self._peers, self.peer_port = bind_peers(self._context, self.settings.listen_host,
                                                  self.settings.listen_port, key)
-        served = self._serve_metrics()
+        served = await self._serve_metrics()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
@@ -141,16 +143,16 @@ class Daemon:
             raise StartupError(str(exc)) from None
         return self._links.key
 
-    def _serve_metrics(self) -> str:
-        """Serve /metrics when --metrics-listen is set (imported only then); what the READY
-        status line adds: ", metrics on HOST:PORT" (the port bound, also for port 0)."""
+    async def _serve_metrics(self) -> str:
+        """Serve /metrics on this loop when --metrics-listen is set (imported only then); what
+        the READY status line adds: ", metrics on HOST:PORT" (the port bound, also port 0)."""
         if not self.settings.metrics_listen:
             return ""
         from commd.daemon.metrics import Metrics
 
         self._metrics = Metrics(self.status, self._metric_counts, self.jobs)
         self._new_job.observe = self._metrics.observe_iteration
-        return f", metrics on {self._metrics.serve(self.settings.metrics_listen)}"
+        return f", metrics on {await self._metrics.serve(self.settings.metrics_listen)}"
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,8 +175,8 @@ class Daemon:
             job.fail(ErrorCode.SHUTDOWN, "the daemon is shutting down; restart `commd run`")
 
     async def cleanup(self) -> None:
-        if self._metrics is not None:  # its thread reads what the rest of cleanup undoes
-            await asyncio.to_thread(self._metrics.close)
+        if self._metrics is not None:  # a scrape reads what the rest of cleanup undoes
+            await self._metrics.close()
         for job in list(self.jobs.values()):
             job.close()
         self.jobs.clear()
@@ -303,7 +305,7 @@ class Daemon:
         )
 
     def _metric_counts(self) -> Counts:
-        """What metrics show beside status; read on the scrape thread (reads only)."""
+        """What metrics show beside status; read when metrics are rendered (reads only)."""
         from commd.daemon.metrics import Counts
 
         guards = (self._client_guard, self._peer_guard, self._links.guard)

@@ -38,27 +38,34 @@ class Readiness:
         """Record ready layers of one local rank; raise ReadyError and change nothing if bad.
         ``sent_at``: the client's CLOCK_MONOTONIC time of sending (0: not given); ``stamps``:
         when each layer became ready, on the same clock (empty: now)."""
+        row = self._marked[local_index]
+        if len(layers) > row.size:  # some layer twice or unknown: refused before any work
+            raise ReadyError(f"ready lists {len(layers)} layers; the job has {row.size}, "
+                             "each marked once per iteration")
         if stamps and len(stamps) != len(layers):
             raise ReadyError(f"{len(stamps)} stamps for {len(layers)} layers")
         _check_times(sent_at, stamps)
         self.notifications += 1
-        row = self._marked[local_index]
         if len(layers) == 1:  # one ready per layer, no numpy fancy indexing
             stamp = stamps[0] if stamps else time.monotonic()
             self._mark_one(row, layers[0], iteration, sent_at, stamp)
             return
-        for layer in layers:
+        for layer in layers:  # before numpy: an int past int64 must not raise OverflowError
             if not 0 <= layer < row.size:
                 raise ReadyError(f"ready for unknown layer {layer}; layers are 0..{row.size - 1}")
-        chosen = list(layers)
-        if len(set(chosen)) != len(chosen) or row[chosen].any():
-            twice = sorted({x for x in chosen if row[x] or chosen.count(x) > 1})
-            raise ReadyError(_twice(iteration, twice))
+        chosen = np.asarray(layers, dtype=np.int64)
+        # Counting, not list.count per layer: linear in the frame, whatever it repeats.
+        counts = np.bincount(chosen, minlength=row.size)
+        if counts.max() > 1 or row[chosen].any():
+            twice = np.flatnonzero((counts > 1) | (row & (counts > 0)))
+            raise ReadyError(_twice(iteration, twice.tolist()))
         row[chosen] = True
         self._count[chosen] += 1
-        np.maximum.at(self._ready_at, chosen, stamps if stamps else time.monotonic())
-        complete = [x for x in chosen if self._count[x] == self.ranks]
-        if complete:
+        # distinct layers (checked above): one fancy-indexed maximum, no np.maximum.at
+        self._ready_at[chosen] = np.maximum(self._ready_at[chosen],
+                                            stamps if stamps else time.monotonic())
+        complete = chosen[self._count[chosen] == self.ranks]
+        if complete.size:
             self._sent_at[complete] = sent_at
             self._changed.set()
 
@@ -134,12 +141,16 @@ def _check_times(sent_at: float, stamps: Sequence[float] | None) -> None:
     if not (math.isfinite(sent_at) and 0.0 <= sent_at <= latest):
         raise ReadyError(f"sent_at {sent_at!r} is not a CLOCK_MONOTONIC time of this host "
                          "(0: not given)")
-    for stamp in stamps or ():
-        if not (math.isfinite(stamp) and 0.0 <= stamp <= latest):
-            raise ReadyError(f"stamp {stamp!r} is not a CLOCK_MONOTONIC time of this host "
-                             "up to now")
+    if not stamps:
+        return
+    values = np.asarray(stamps, dtype=np.float64)  # one pass in numpy, not one per stamp
+    bad = np.flatnonzero(~(np.isfinite(values) & (values >= 0.0) & (values <= latest)))
+    if bad.size:
+        raise ReadyError(f"stamp {stamps[int(bad[0])]!r} is not a CLOCK_MONOTONIC time of this "
+                         "host up to now")
 
 
 def _twice(iteration: int, layers: list[int]) -> str:
-    return (f"ready twice in iteration {iteration} for layer(s) {layers}; "
+    more = f" and {len(layers) - 20} more" if len(layers) > 20 else ""
+    return (f"ready twice in iteration {iteration} for layer(s) {layers[:20]}{more}; "
             "wait for the iteration to finish before marking again")

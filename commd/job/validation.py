@@ -18,6 +18,15 @@ from commd_protocol import PROTOCOL_VERSION, ErrorCode, Hello, PeerPlan, PeerSet
 from commd_protocol.address import split_host_port
 from commd_protocol.checks import finite, job_id_problem, layers_problem, layout_problem
 from commd_protocol.dtypes import itemsize
+from commd_protocol.limits import (
+    MAX_BYTE_OFFSET,
+    MAX_DEVICE_INDEX,
+    MAX_PID,
+    MAX_PORT,
+    MAX_RANKS,
+    count_problem,
+    ranks_bound_problem,
+)
 
 SELECTIONS = ("", "forced", "exploring", "measuring", "measured")  # PeerPlan.selection
 MAX_CANDIDATES = 8
@@ -30,9 +39,11 @@ def check_hello(hello: Hello) -> None:
             f"{PROTOCOL_VERSION}); install matching commd and commd_client versions",
             ErrorCode.VERSION,
         )
-    problem = job_id_problem(hello.job)
+    problem = job_id_problem(hello.job) or ranks_bound_problem("world_size", hello.world_size)
     if problem:
         raise JobError(problem)
+    if not 0 <= hello.pid <= MAX_PID:
+        raise JobError(f"pid {hello.pid} is not a process id (0: not given)")
     if not 0 <= hello.rank < hello.world_size:
         raise JobError(f"rank {hello.rank} is outside world size {hello.world_size}")
     if not 0 <= hello.local_rank < hello.local_world_size <= hello.world_size:
@@ -49,7 +60,7 @@ def check_hello(hello: Hello) -> None:
 def check_register(message: Register, context: JobContext, *, several_nodes: bool) -> None:
     """Refuse a registration that cannot be served (its planner is filled in already);
     ``several_nodes``: the job spans nodes, so an engine must take its buffers."""
-    problem = buffers.check_fields(message)
+    problem = register_integers_problem(message) or buffers.check_fields(message)
     if problem:
         raise JobError(problem)
     if several_nodes:
@@ -76,6 +87,16 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
         raise JobError(str(exc)) from None
 
 
+def register_integers_problem(message: Register) -> str:
+    """'' when the register's own integers are in range (its layers' sizes are checked with
+    the layers), else which is not."""
+    if not 0 <= message.ipc_offset <= MAX_BYTE_OFFSET:
+        return f"ipc_offset {message.ipc_offset} is outside 0..2**48"
+    if not -1 <= message.device_index <= MAX_DEVICE_INDEX:
+        return f"device_index {message.device_index} is outside -1..{MAX_DEVICE_INDEX}"
+    return ""
+
+
 def check_limits(message: Register, context: JobContext) -> None:
     """What one job may make this daemon hold: layers and bytes (settings max_layers and
     max_job_bytes); JobError with code LIMIT."""
@@ -90,9 +111,12 @@ def check_limits(message: Register, context: JobContext) -> None:
 
 def setup_problem(setup: PeerSetup) -> str:
     """'' when the coordinator's set-up fits together, else what is wrong."""
-    if not 0 <= setup.node_index < setup.nodes:
+    if not 0 <= setup.node_index < setup.nodes <= MAX_RANKS:
         return f"node {setup.node_index} of {setup.nodes} nodes"
-    if not 0 <= setup.store_port < 65536 or (setup.nodes > 1 and setup.store_port == 0):
+    problem = count_problem("generation", setup.generation)
+    if problem:
+        return problem
+    if not 0 <= setup.store_port <= MAX_PORT or (setup.nodes > 1 and setup.store_port == 0):
         return f"rendezvous port {setup.store_port}"
     if len(setup.store_prefix) > 128:
         return f"a rendezvous prefix of {len(setup.store_prefix)} characters"
@@ -118,6 +142,8 @@ def plan_problem(plan: PeerPlan, layers: int) -> str:
             len(name) > 40 or not finite((predicted, measured + 1))
             for name, predicted, measured in plan.candidates):
         return f"candidates must be at most {MAX_CANDIDATES} (name, predicted s, measured s)"
-    if plan.effective_iteration < 0 or plan.version < 1:
-        return f"plan v{plan.version} from iteration {plan.effective_iteration}"
+    problem = (count_problem("effective_iteration", plan.effective_iteration)
+               or count_problem("version", plan.version, 1) or count_problem("round", plan.round))
+    if problem:
+        return f"plan v{plan.version} from iteration {plan.effective_iteration}: {problem}"
     return ""
