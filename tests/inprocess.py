@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from commd.daemon.server import Daemon
+from commd.testing.peers import connect_peer
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 from commd_protocol.handover import buffer_socket_path
@@ -44,6 +45,15 @@ def hello(job: str = "j", rank: int = 0, world: int = 1, local: int = 0, local_w
     return {"type": "hello", "protocol": PROTOCOL_VERSION, "job": job, "rank": rank,
             "world_size": world, "local_rank": local, "local_world_size": local_world,
             "coordinator": extra.pop("coordinator", "127.0.0.1:1"), **extra}
+
+
+def peer_dealer(context: zmq.asyncio.Context, daemon: Daemon) -> zmq.asyncio.Socket:
+    """A DEALER on the in-process daemon's peer port that holds its key (the local key beside
+    its socket, or its --cluster-key), as a peer daemon's link to it does."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    connect_peer(sock, daemon.peer_port, daemon._links.key)
+    return sock
 
 
 def coordinator_of(daemon: Daemon) -> str:

@@ -14,11 +14,11 @@ import zmq
 import zmq.asyncio
 
 from commd.coordinator import coordinator as coordinator_module
-from commd.daemon import sessions as sessions_module
+from commd.daemon import shares
 from commd.daemon.server import Daemon
 from commd_protocol import PROTOCOL_VERSION
 
-from inprocess import RawClient, coordinator_of, hello, still_serving
+from inprocess import RawClient, coordinator_of, hello, peer_dealer, still_serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,9 +39,7 @@ async def until(condition: Any) -> None:
 @pytest.fixture
 async def peer(daemon: Daemon) -> AsyncIterator[zmq.asyncio.Socket]:
     context = zmq.asyncio.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{daemon.peer_port}")
+    sock = peer_dealer(context, daemon)  # a peer daemon: it holds the key
     yield sock
     sock.close(linger=0)
     context.term()
@@ -114,7 +112,7 @@ async def test_forming_jobs_per_peer_are_capped(daemon: Daemon, peer: zmq.asynci
 
 async def test_jobs_per_daemon_are_capped(daemon: Daemon, connect: Any,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sessions_module, "MAX_JOBS", 2)
+    monkeypatch.setattr(daemon._sessions.jobs_share, "cap", shares.Cap("jobs", 2, 2, "end some"))
     for index in range(2):
         assert (await connect().ask(hello(job=f"j{index}")))["type"] == "welcome"
     reply = await connect().ask(hello(job="j2"))
@@ -139,9 +137,7 @@ async def test_a_huge_peer_frame_is_cut_off_before_it_is_held(
         daemon: Daemon, peer: zmq.asyncio.Socket) -> None:
     await peer.send(b"\x00" * (5 << 20))  # over the peer frame cap: the connection drops
     context = zmq.asyncio.Context()
-    fresh = context.socket(zmq.DEALER)
-    fresh.setsockopt(zmq.LINGER, 0)
-    fresh.connect(f"tcp://127.0.0.1:{daemon.peer_port}")
+    fresh = peer_dealer(context, daemon)
     try:
         await fresh.send(join("after", [0], 1))
         assert (await answer(fresh))["type"] == "peer_setup"

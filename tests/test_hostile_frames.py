@@ -18,7 +18,7 @@ from commd.daemon.server import Daemon
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 
-from inprocess import RawClient, hello, register_job, still_serving
+from inprocess import RawClient, hello, peer_dealer, register_job, still_serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,10 +29,8 @@ NESTED = [b"\x91" * 1000 + b"\xc0", b"\x82\xa4type\xa5hello\xa3job" + b"\x91" * 
 class RawPeer:
     """A peer daemon's DEALER, speaking raw MessagePack to the daemon's peer port."""
 
-    def __init__(self, context: zmq.asyncio.Context, port: int) -> None:
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(f"tcp://127.0.0.1:{port}")
+    def __init__(self, context: zmq.asyncio.Context, daemon: Daemon) -> None:
+        self.socket = peer_dealer(context, daemon)  # with the daemon's key
 
     async def send(self, message: dict[str, Any] | bytes) -> None:
         await self.socket.send(message if isinstance(message, bytes) else msgpack.packb(message))
@@ -49,7 +47,7 @@ class RawPeer:
 @pytest.fixture
 async def peer(daemon: Daemon) -> AsyncIterator[RawPeer]:
     context = zmq.asyncio.Context()
-    raw = RawPeer(context, daemon.peer_port)
+    raw = RawPeer(context, daemon)
     yield raw
     raw.socket.close(linger=0)
     context.term()

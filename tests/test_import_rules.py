@@ -87,7 +87,7 @@ MAY_IMPORT = {
     "commd.plan": set(),
     "commd.engines": set(),
     "commd.models": set(),
-    "commd.testing": set(),
+    "commd.testing": {"commd.daemon"},  # the local key, as daemons make and read it
     "commd.compression": {"commd.engines", "commd.plan"},
     "commd.job": {"commd.engines", "commd.compression", "commd.plan"},
     "commd.coordinator": {"commd.compression", "commd.plan"},

@@ -110,7 +110,8 @@ class Daemon:
         self._clients = bind_clients(self._context, self.settings.socket)
         self._buffers.start()
         self._peers, self.peer_port = bind_peers(self._context, self.settings.listen_host,
-                                                 self.settings.listen_port, key)
+                                                 self.settings.listen_port, key,
+                                                 watch=self._security.watch)
         served = await self._serve_metrics()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -129,16 +130,15 @@ class Daemon:
         log.info("serving clients on %s, peers on port %d", self.settings.socket, self.peer_port)
 
     def _secure_peers(self) -> ClusterKey | None:
-        """The cluster key, with a ZAP handler that admits only its holders (None: no key,
-        then peers are served on loopback only, unless --insecure)."""
+        """The cluster key (--cluster-key, else the local key beside the socket), with a ZAP
+        handler that admits only its holders; None only with --insecure (no protection)."""
         problem = self.settings.exposure_problem()
         if problem:
             raise StartupError(problem)
-        if not self.settings.cluster_key and self.settings.insecure:
-            log.warning("serving peers on %s without a cluster key (--insecure)",
-                        self.settings.peer_listen)
         try:
-            self._links.key = self._security.start(self._context, self.settings.cluster_key)
+            self._links.key = self._security.start(
+                self._context, self.settings.cluster_key, self.settings.socket,
+                self.settings.insecure)
         except KeyFileError as exc:
             raise StartupError(str(exc)) from None
         return self._links.key
@@ -186,7 +186,7 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._links.close()
-        self._security.stop()
+        await self._security.stop()  # its socket monitor first, while the socket is open
         # The error replies of the drain still leave: closing lingers up to LINGER_MS for them.
         for sock in (self._clients, self._peers):
             if sock is not None:
@@ -217,16 +217,16 @@ class Daemon:
         # per message (~60 µs each).
         queued: zmq.Socket[bytes] = zmq.Socket.shadow(clients.underlying)
 
-        def handle(frames: list[bytes]) -> None:
+        def handle(frames: list[zmq.Frame]) -> None:
             self._client_guard.call("a client frame", self._sessions.on_frames, frames)
             for _ in range(_DRAIN_BATCH):
                 try:
-                    more = queued.recv_multipart(zmq.NOBLOCK)
+                    more = queued.recv_multipart(zmq.NOBLOCK, copy=False)  # frames: who sent
                 except zmq.Again:
                     break
                 self._client_guard.call("a client frame", self._sessions.on_frames, more)
 
-        await serve(self._client_guard, lambda: clients.recv_multipart(copy=True), handle)
+        await serve(self._client_guard, lambda: clients.recv_multipart(copy=False), handle)
 
     def _send_client(self, identity: bytes, message: msgspec.Struct) -> None:
         if self._clients is None:
@@ -301,6 +301,7 @@ class Daemon:
             jobs=[job.status() for job in self.jobs.values()],
             coordinating=self._coordinator.status(),
             peer_handshakes_refused=self._security.refused,
+            peer_handshakes_refused_by=self._security.refused_by_reason,
             compression_loops=native.describe(),
         )
 

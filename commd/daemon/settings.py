@@ -43,9 +43,12 @@ class Settings:
     listen: str = _option("", f"HOST:PORT for peer daemons ('': 0.0.0.0:{DEFAULT_PEER_PORT} "
                           f"with a cluster key, else 127.0.0.1:{DEFAULT_PEER_PORT})")
     cluster_key: str = _option("", "cluster key file (`commd keygen PATH`), the same on every "
-                               "node: peers must hold it; without it only loopback is served")
-    insecure: bool = _option(False, "serve peers beyond loopback without a cluster key (only on "
-                             "a network where every host is trusted)")
+                               "node: peers must hold it. Without it only loopback is served, "
+                               "keyed with the local key cluster.key beside --socket (made if "
+                               "absent, mode 0640), shared by daemons whose sockets are there")
+    insecure: bool = _option(False, "no key at all: serve peers (also beyond loopback) to "
+                             "anyone who reaches the port; no protection (only on a network "
+                             "and host where everyone is trusted)")
     backend: str = _option("auto", "collective engine (auto: nccl with a GPU, else gloo)",
                            BACKENDS)
     advertise: str = _option("", "address peers reach this node's engine at (default: the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import socket as pysocket
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -37,15 +38,18 @@ def bind_clients(context: zmq.asyncio.Context, path: str) -> zmq.asyncio.Socket:
     return clients
 
 
-def bind_peers(context: zmq.asyncio.Context, host: str, port: int, key: ClusterKey | None
+def bind_peers(context: zmq.asyncio.Context, host: str, port: int, key: ClusterKey | None,
+               watch: Callable[[zmq.asyncio.Socket], None] | None = None,
                ) -> tuple[zmq.asyncio.Socket, int]:
     """The ROUTER peer daemons talk to (CurveZMQ with a cluster key), and its port (a random
-    one for port 0)."""
+    one for port 0); ``watch`` sees it before it binds (the handshake counter's monitor)."""
     peers = context.socket(zmq.ROUTER)
     peers.setsockopt(zmq.LINGER, 0)
     peers.setsockopt(zmq.MAXMSGSIZE, PEER_FRAME_CAP)
     if key is not None:
         serve_securely(peers, key)
+    if watch is not None:
+        watch(peers)
     try:
         if port == 0:
             port = peers.bind_to_random_port(f"tcp://{host}")

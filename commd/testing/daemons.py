@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from commd.daemon.key_files import local_key
 from commd.testing.processes import stop_process
 
 READY_TIMEOUT_S = 30.0
@@ -26,9 +27,10 @@ class LocalDaemon:
                  env: dict[str, str] | None = None, listen_host: str = "127.0.0.1",
                  prefix: Sequence[str] = ()) -> None:
         """``prefix`` wraps the command, e.g. ``ip netns exec NS`` for a network namespace
-        (the notify socket is a file, so readiness still reaches us). A daemon that listens
-        beyond loopback gets the workdir's cluster key, shared by every daemon started
-        there, unless ``extra`` names ``--cluster-key`` or ``--insecure``."""
+        (the notify socket is a file, so readiness still reaches us). Every daemon of a
+        workdir shares its key, ``workdir_key``: on loopback as its local key (its socket is
+        in the workdir), beyond loopback as its --cluster-key, unless ``extra`` names
+        ``--cluster-key`` or ``--insecure``."""
         workdir = Path(workdir)
         self.name = name
         self.socket = str(workdir / f"{name}.sock")
@@ -104,14 +106,12 @@ def gloo_daemons(workdir: Path, names: Sequence[str] = ("d0", "d1")) -> Iterator
 
 
 def workdir_key(workdir: Path) -> str:
-    """``workdir/cluster.key``, made by `commd keygen` the first time it is asked for."""
-    path = workdir / "cluster.key"
-    if not path.exists():
-        made = subprocess.run([sys.executable, "-m", "commd.cli", "keygen", str(path)],
-                              capture_output=True, text=True, timeout=60)
-        if made.returncode != 0 and not path.exists():  # another daemon's start made it
-            raise RuntimeError(f"commd keygen failed: {made.stderr}")
-    return str(path)
+    """``workdir/cluster.key``: the local key every daemon whose socket is in ``workdir`` uses
+    without --cluster-key, made if absent. Also what a daemon beyond loopback gets as its
+    --cluster-key, so those need mode 0600 (an explicit key's rule; the local key allows it)."""
+    path = local_key(str(workdir / "any.sock"))[1]
+    os.chmod(path, 0o600)
+    return path
 
 
 def commd_segments() -> set[str]:

@@ -118,7 +118,9 @@ class DaemonStatus(_Status):
     listen: str | None = None
     jobs: list[JobStatus] = []
     coordinating: list[CoordinatedJob] = []
-    peer_handshakes_refused: int = 0  # peers without the cluster key, turned away
+    peer_handshakes_refused: int = 0  # handshakes refused on the peer port, every reason
+    # the same by reason: no_key, wrong_server_key, wrong_client_key, garbage ({}: older daemon)
+    peer_handshakes_refused_by: dict[str, int] = {}
     # which loops run the top-k path: "compiled[, AVX-512]" or "numpy (why)"; "": older daemon
     compression_loops: str = ""
 
