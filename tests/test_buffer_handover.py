@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from commd.daemon import handover
+from commd.daemon import handover, shares
 from commd.daemon.server import Daemon
 from commd_client.host_buffer import HostBuffer
 from commd_protocol.handover import OK, buffer_socket_path
@@ -139,12 +139,13 @@ async def test_a_sealed_buffer_cannot_be_truncated_and_other_jobs_go_on(
 
 async def test_unclaimed_buffers_are_closed_and_capped(daemon: Daemon,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handover, "MAX_PENDING", 2)
+    monkeypatch.setattr(daemon._buffers.pending_share, "cap",
+                        shares.Cap("buffers waiting for their register", 2, 2, "register first"))
     buffers = [HostBuffer("commd-test", 16) for _ in range(3)]
     try:
         replies = [await hand(daemon, f"{index:032x}".encode(), [b._fd])
                    for index, b in enumerate(buffers)]
-        assert replies[:2] == [OK, OK] and b"wait for their register" in replies[2], replies
+        assert replies[:2] == [OK, OK] and b"2 buffers waiting for their register" in replies[2]
         monkeypatch.setattr(handover, "CLAIM_S", 0.0)
         fds = [h.fd for h in daemon._buffers._pending.values()]
         assert daemon._buffers.claim("f" * 32) is None  # expires the unclaimed ones

@@ -4,7 +4,12 @@ Beside the ipc socket, an AF_UNIX SOCK_SEQPACKET socket (commd_protocol.handover
 connection carries one message, a token with one descriptor; the sender's pid and uid come
 from the kernel (SO_PEERCRED), not from what the rank says. A descriptor that is not a sealed
 memfd is refused at once. Accepted ones wait, by token, for the ``register`` that names them;
-unclaimed ones are closed after CLAIM_S, and at most MAX_PENDING wait at a time.
+unclaimed ones are closed after CLAIM_S.
+
+Connections and waiting buffers are capped per user (the uid from SO_PEERCRED) as well as per
+daemon (``shares.BUFFER_CONNECTIONS``, ``shares.PENDING_HANDOVERS``), and a connection gets
+CONNECTION_S to send its one message: one user's silent connections or unregistered buffers
+cannot keep another user's ranks from handing over. Every refusal is answered with its reason.
 """
 
 from __future__ import annotations
@@ -20,16 +25,24 @@ import struct
 import time
 from dataclasses import dataclass
 
+from commd.daemon.shares import BUFFER_CONNECTIONS, PENDING_HANDOVERS, Shares
 from commd_protocol.handover import MAX_MESSAGE, OK, TOKEN_CHARS
 
 log = logging.getLogger("commd.handover")
 
 NEEDED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # no SIGBUS, no surprise growth
 CLAIM_S = 60.0  # a handed buffer not registered within this is closed
-MAX_PENDING = 256  # handed, not yet registered
-MAX_CONNECTIONS = 64  # open hand-over connections at a time
-CONNECTION_S = 5.0  # a connection that sends nothing is closed after this
+# A rank sends its one message right after connecting (microseconds): a connection that has
+# sent nothing after this is closed. Short, so that held connections turn over quickly.
+CONNECTION_S = 1.0
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass
+class _Connection:
+    link: socket.socket
+    timer: asyncio.TimerHandle
+    uid: int  # from the kernel, at accept
 
 
 @dataclass
@@ -63,7 +76,9 @@ class BufferSocket:
         self.path = path
         self._listener: socket.socket | None = None
         self._pending: dict[str, Handed] = {}
-        self._connections: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
+        self._connections: dict[int, _Connection] = {}
+        self.pending_share = Shares(PENDING_HANDOVERS)
+        self.connections_share = Shares(BUFFER_CONNECTIONS)
         self.refused = 0
 
     def start(self) -> None:
@@ -74,7 +89,7 @@ class BufferSocket:
         listener.setblocking(False)
         listener.bind(self.path)
         os.chmod(self.path, 0o660)
-        listener.listen(MAX_CONNECTIONS)
+        listener.listen(BUFFER_CONNECTIONS.per_daemon)
         self._listener = listener
         asyncio.get_running_loop().add_reader(listener.fileno(), self._accept)
 
@@ -82,11 +97,15 @@ class BufferSocket:
         """The buffer handed over under ``token``, now the caller's to close or to give back
         (None: none)."""
         self._expire()
-        return self._pending.pop(token, None)
+        handed = self._pending.pop(token, None)
+        if handed is not None:
+            self.pending_share.give(handed.uid)
+        return handed
 
     def give_back(self, token: str, handed: Handed) -> None:
         """A register that named ``token`` was refused: the rank may correct it and retry."""
         self._pending[token] = handed
+        self.pending_share.take(handed.uid)
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -94,23 +113,26 @@ class BufferSocket:
             connection, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        if len(self._connections) >= MAX_CONNECTIONS:
-            connection.close()
-            return
         connection.setblocking(False)
+        uid = _credentials(connection)[1]
+        refusal = self.connections_share.refusal(uid)
+        if refusal:
+            self.refused += 1
+            _refuse(connection, refusal)
+            return
         loop = asyncio.get_running_loop()
         fileno = connection.fileno()
         timer = loop.call_later(CONNECTION_S, self._drop, fileno)
-        self._connections[fileno] = (connection, timer)
+        self._connections[fileno] = _Connection(connection, timer, uid)
+        self.connections_share.take(uid)
         loop.add_reader(fileno, self._receive, fileno)
 
     def _receive(self, fileno: int) -> None:
-        connection, _ = self._connections[fileno]
+        connection = self._connections[fileno].link
         fds: list[int] = []
         try:
             message, fds, _flags, _address = socket.recv_fds(connection, MAX_MESSAGE, 2)
-            pid, uid, _gid = _CREDENTIALS.unpack(connection.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+            pid, uid, _gid = _credentials(connection)
             token = self._accept_buffer(message, fds, pid, uid)
             fds = []  # the pending table owns it now
             reply = OK
@@ -142,16 +164,18 @@ class BufferSocket:
         self._expire()
         if token in self._pending:
             raise HandoverError("that token is taken; send a new one")
-        if len(self._pending) >= MAX_PENDING:
-            raise HandoverError(f"{MAX_PENDING} buffers wait for their register already; "
-                                "register before handing over more")
+        refusal = self.pending_share.refusal(uid)
+        if refusal:
+            raise HandoverError(refusal)
         self._pending[token] = Handed(fds[0], pid, uid, time.monotonic())
+        self.pending_share.take(uid)
         return token
 
     def _expire(self) -> None:
         stale = time.monotonic() - CLAIM_S
         for token in [t for t, h in self._pending.items() if h.at < stale]:
             handed = self._pending.pop(token)
+            self.pending_share.give(handed.uid)
             log.info("closing a buffer of pid %d that was never registered", handed.pid)
             os.close(handed.fd)
 
@@ -159,18 +183,19 @@ class BufferSocket:
         entry = self._connections.pop(fileno, None)
         if entry is None:
             return
-        connection, timer = entry
-        timer.cancel()
+        entry.timer.cancel()
+        self.connections_share.give(entry.uid)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(fileno)
-        connection.close()
+        entry.link.close()
 
     def close(self) -> None:
         for fileno in list(self._connections):
             self._drop(fileno)
-        for handed in self._pending.values():
+        for token in list(self._pending):
+            handed = self._pending.pop(token)
+            self.pending_share.give(handed.uid)
             os.close(handed.fd)
-        self._pending.clear()
         if self._listener is not None:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._listener.fileno())
@@ -178,3 +203,23 @@ class BufferSocket:
             self._listener = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def _credentials(connection: socket.socket) -> tuple[int, int, int]:
+    """pid, uid, gid of the process at the other end, from the kernel (SO_PEERCRED)."""
+    pid, uid, gid = _CREDENTIALS.unpack(connection.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return pid, uid, gid
+
+
+def _refuse(connection: socket.socket, reason: str) -> None:
+    """Answer a connection refused at accept with ``reason`` and close it. What it sent already
+    is read first (its descriptors closed): closing a unix socket with unread data resets it,
+    and the rank would see "Connection reset by peer" instead of the reason."""
+    with contextlib.suppress(OSError):
+        _message, fds, _flags, _address = socket.recv_fds(connection, MAX_MESSAGE, 2)
+        for fd in fds:
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        connection.send(reason.encode()[:MAX_MESSAGE])
+    connection.close()

@@ -4,6 +4,10 @@ messages go.
 Every frame is decoded here, at the boundary; a bad one gets a typed error reply naming what
 was wrong, and nothing else changes. A client that dies without goodbye is noticed through a
 pidfd, which becomes readable when the process exits.
+
+Each connection's user is the kernel's (``shares.peer_uid``): what a user may hold here (ranks
+connected, jobs, traces running) is capped per user as well as per daemon (``shares``), a job
+belongs to the user whose hello created it, and only that user (or root) may join or trace it.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
+import zmq
 
 from commd.daemon.guard import Guard
 from commd.daemon.handover import BufferSocket
+from commd.daemon.shares import JOBS, ROOT_UID, SESSIONS, TRACES, UNKNOWN_UID, Shares, peer_uid, who
 from commd.job.deadlines import failed_long_ago, formation_overdue
 from commd.job.job import Job
 from commd.job.state import JobError, JobState, LocalRank, SendClient
@@ -45,14 +51,12 @@ from commd_protocol.status import DaemonStatus, status_map
 
 log = logging.getLogger("commd.server")
 
-MAX_SESSIONS = 4096  # connections that said hello
-MAX_JOBS = 1024  # jobs on this node, in any state
-
 
 @dataclass
 class Session:
     job: Job
     member: LocalRank
+    uid: int  # of the process on the connection, from the kernel
 
 
 class ClientSessions:
@@ -69,27 +73,32 @@ class ClientSessions:
         self._status = status
         self._sessions: dict[bytes, Session] = {}
         self._pidfds: dict[bytes, int] = {}
+        self._owners: dict[str, int] = {}  # job id -> the uid whose hello created it
+        self.sessions_share = Shares(SESSIONS)
+        self.jobs_share = Shares(JOBS)
+        self.traces_share = Shares(TRACES)
 
     @property
     def count(self) -> int:
         """Connections that said hello."""
         return len(self._sessions)
 
-    def on_frames(self, frames: list[bytes]) -> None:
-        """One multipart message from the client ROUTER: [identity, frame]."""
+    def on_frames(self, frames: Sequence[zmq.Frame]) -> None:
+        """One multipart message from the client ROUTER: [identity, frame], received as
+        frames (``copy=False``) for the kernel's word on who sent it (``_uid``)."""
         if len(frames) != 2:
             if frames:
-                self._send(frames[0], error(ErrorCode.MALFORMED,
-                                            "expected exactly one frame per message"))
+                self._send(frames[0].bytes, error(ErrorCode.MALFORMED,
+                                                  "expected exactly one frame per message"))
             return
-        identity, frame = frames
+        identity, frame = frames[0].bytes, frames[1]
         try:
-            message = client_codec.decode(frame)
+            message = client_codec.decode(frame.bytes)
         except ProtocolViolation as exc:
             self._send(identity, error(exc.code, str(exc), exc.ref))
             return
         try:
-            self._dispatch(identity, message)
+            self._dispatch(identity, message, frame)
         except JobError as exc:
             self._send(identity, Error(code=exc.code, message=str(exc), ref=tag(message)))
         except Exception as exc:  # a bug: logged (a traceback once per kind), then answered
@@ -97,19 +106,15 @@ class ClientSessions:
             self._send(identity, error(ErrorCode.INVALID, "internal error; see the daemon's log",
                                        tag(message)))
 
-    def _dispatch(self, identity: bytes, message: ClientMessage) -> None:
+    def _dispatch(self, identity: bytes, message: ClientMessage, frame: zmq.Frame) -> None:
         if isinstance(message, StatusRequest):
             self._send(identity, StatusReply(status=status_map(self._status())))
             return
         if isinstance(message, TraceRequest):  # like status: no hello; answered when recorded
-            recorder = TraceRecorder(message, lambda reply: self._send(identity, reply))
-            job = self._jobs.get(message.job)
-            if job is None:
-                raise JobError(f"no job {message.job!r} on this daemon; `commd status` lists them")
-            job.trace(recorder)
+            self._trace(identity, message, _uid(frame))
             return
         if isinstance(message, Hello):
-            self._hello(identity, message)
+            self._hello(identity, message, _uid(frame))
             return
         session = self._sessions.get(identity)
         if session is None:
@@ -147,28 +152,64 @@ class ClientSessions:
             self._unwatch(identity)
             self._watch_pid(identity, handed.pid)
 
-    def _hello(self, identity: bytes, hello: Hello) -> None:
+    def _trace(self, identity: bytes, request: TraceRequest, uid: int) -> None:
+        """Arm a recorder on the job, if ``uid`` owns it (or is root) and has a trace to spare;
+        the share is given back with the recorder's one reply."""
+        recorder = TraceRecorder(request, lambda reply: self._traced(identity, uid, reply))
+        job = self._jobs.get(request.job)
+        if job is None:
+            raise JobError(f"no job {request.job!r} on this daemon; `commd status` lists them")
+        self._check_owner(job, uid, "trace")
+        refusal = self.traces_share.refusal(uid)
+        if refusal:
+            raise JobError(f"trace of job {request.job!r}: {refusal}", ErrorCode.LIMIT)
+        job.trace(recorder)
+        self.traces_share.take(uid)
+
+    def _traced(self, identity: bytes, uid: int, reply: msgspec.Struct) -> None:
+        self.traces_share.give(uid)  # a recorder replies once, then lets go of the job
+        self._send(identity, reply)
+
+    def _check_owner(self, job: Job, uid: int, what: str) -> None:
+        """JobError unless ``uid`` is the job's user or root."""
+        owner = self._owners.get(job.id, UNKNOWN_UID)
+        if uid != owner and uid != ROOT_UID:
+            raise JobError(f"job {job.id!r} belongs to {who(owner)}, not to {who(uid)}: only "
+                           f"its own user or root may {what} it; use a job id of your own")
+
+    def _hello(self, identity: bytes, hello: Hello, uid: int) -> None:
         if identity in self._sessions:
             raise JobError("hello sent twice on one connection", ErrorCode.OUT_OF_ORDER)
         check_hello(hello)
-        if len(self._sessions) >= MAX_SESSIONS:
-            raise JobError(f"this daemon serves {MAX_SESSIONS} ranks already; close some",
-                           ErrorCode.LIMIT)
-        if hello.job not in self._jobs and len(self._jobs) >= MAX_JOBS:
-            raise JobError(f"this daemon holds {MAX_JOBS} jobs already; finish some first",
-                           ErrorCode.LIMIT)
+        refusal = self.sessions_share.refusal(uid)
+        if refusal:
+            raise JobError(refusal, ErrorCode.LIMIT)
         job = self._jobs.get(hello.job)
         if job is None:
+            refusal = self.jobs_share.refusal(uid)
+            if refusal:
+                raise JobError(refusal, ErrorCode.LIMIT)
             job = self._jobs[hello.job] = self._new_job(hello)
+            self._owners[hello.job] = uid
+            self.jobs_share.take(uid)
+        else:
+            self._check_owner(job, uid, "join")
         try:
             member = job.add_rank(identity, hello)
         except JobError:
             if not job.members.ranks:
-                del self._jobs[hello.job]
+                self._forget(job)
             raise
-        self._sessions[identity] = Session(job, member)
+        self._sessions[identity] = Session(job, member, uid)
+        self.sessions_share.take(uid)
         self._watch_pid(identity, hello.pid)
         self._send(identity, self._welcome())
+
+    def _forget(self, job: Job) -> None:
+        """Drop ``job`` from the daemon's table (if it is still the one there)."""
+        if self._jobs.get(job.id) is job:
+            del self._jobs[job.id]
+            self.jobs_share.give(self._owners.pop(job.id, UNKNOWN_UID))
 
     def depart(self, identity: bytes, *, lost: bool) -> None:
         """A client said goodbye (lost=False) or its process exited (lost=True)."""
@@ -176,12 +217,12 @@ class ClientSessions:
         self._unwatch(identity)
         if session is None:
             return
+        self.sessions_share.give(session.uid)
         job = session.job
         job.leave(session.member, lost=lost)
         if job.finished:
             job.close()
-            if self._jobs.get(job.id) is job:
-                del self._jobs[job.id]
+            self._forget(job)
 
     def _watch_pid(self, identity: bytes, pid: int) -> None:
         """Notice a client that dies without goodbye: a pidfd becomes readable at its exit."""
@@ -213,7 +254,7 @@ class ClientSessions:
                     self.depart(identity, lost=False)
             if forget_all and self._jobs.get(job.id) is job:  # no session left to end it
                 job.close()
-                del self._jobs[job.id]
+                self._forget(job)
 
     def _unwatch(self, identity: bytes) -> None:
         fd = self._pidfds.pop(identity, None)
@@ -232,6 +273,16 @@ def _unwatch_fd(fd: int) -> None:
         asyncio.get_running_loop().remove_reader(fd)
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+def _uid(frame: zmq.Frame) -> int:
+    """The uid of the process that sent ``frame``, from the kernel (SO_PEERCRED, which libzmq
+    reports as the frame's ``Peer-Address`` on an ipc connection)."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return UNKNOWN_UID
+    return peer_uid(address if isinstance(address, str) else None)
 
 
 def tag(message: msgspec.Struct) -> str:

@@ -43,7 +43,9 @@ from commd_protocol.errors import prefixed
 
 MAX_ITERATIONS = 1000  # per trace
 MAX_EVENTS = 16_000  # per trace and node: a reply stays under the 4 MiB message limit
-MAX_TIMEOUT_S = 3600.0
+# A trace holds the job's one trace slot (and its user's share of traces, shares.TRACES) until
+# it ends: ten minutes bounds how long one request can keep the job's own user from tracing it.
+MAX_TIMEOUT_S = 600.0
 MAX_NAME = 48  # characters of a layer's name kept in its ready events
 
 Reply = Callable[[msgspec.Struct], None]
@@ -91,7 +93,8 @@ class TraceRecorder:
         if running is not None:
             raise JobError(
                 f"job {self.request.job!r} is being traced already (for up to "
-                f"{running.request.timeout_s:g} s); one trace of a job at a time", ErrorCode.LIMIT)
+                f"{running.left_s():.0f} s more); one trace of a job at a time: retry after it",
+                ErrorCode.LIMIT)
         self._first = pipeline.iteration + (1 if pipeline.in_flight else 0)
         self._names = [layer.name[:MAX_NAME] for layer in registration.layers]
         self._itemsize = itemsize(registration.dtype)
@@ -101,6 +104,12 @@ class TraceRecorder:
         pipeline.trace = self
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.request.timeout_s, self._expire)
+
+    def left_s(self) -> float:
+        """Seconds until this trace answers at the latest (its timeout)."""
+        if self._timer is None:
+            return self.request.timeout_s
+        return max(0.0, self._timer.when() - asyncio.get_running_loop().time())
 
     # --- hooks of the pipeline -------------------------------------------------------------------
 
@@ -269,5 +278,7 @@ def check_request(request: TraceRequest) -> None:
         raise JobError(f"trace of job {request.job!r}: iterations must be 1 to {MAX_ITERATIONS}, "
                        f"got {request.iterations}", code)
     if not (math.isfinite(request.timeout_s) and 0 < request.timeout_s <= MAX_TIMEOUT_S):
+        over = math.isfinite(request.timeout_s) and request.timeout_s > MAX_TIMEOUT_S
+        code = ErrorCode.LIMIT if over else ErrorCode.INVALID
         raise JobError(f"trace of job {request.job!r}: timeout_s must be over 0 and at most "
-                       f"{MAX_TIMEOUT_S:g}, got {request.timeout_s!r}")
+                       f"{MAX_TIMEOUT_S:g}, got {request.timeout_s!r}", code)

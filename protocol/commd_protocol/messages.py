@@ -84,7 +84,9 @@ class TraceRequest(_Msg, tag="trace"):
     """Record the next ``iterations`` whole iterations of ``job`` on this node (``commd
     trace``). Like ``status`` it needs no hello. The daemon answers once they are recorded
     with a ``TraceReply``, or with an ``Error``: no such job, a trace of it already running,
-    a value out of range. After ``timeout_s`` it answers with what it has (or a timeout)."""
+    a value out of range. After ``timeout_s`` it answers with what it has (or a timeout).
+    ``timeout_s`` is at most 600 (above: ``limit``); only the job's own user (the uid of the
+    hello that created it, from the kernel) or root may trace it (else ``invalid``)."""
 
     job: str
     iterations: int = 1
