@@ -62,16 +62,18 @@ class Connection:
         daemon lives), or CommdTimeout / CommdError if it is gone or silent."""
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
-        heard = started
+        heard, culprit = started, ""
         while True:
-            message = self._next(deadline, timeout_s, what, heard)
+            message = self._next(deadline, timeout_s, what, heard, culprit)
             if not isinstance(message, Progress):
                 return message
             heard = time.monotonic()
+            # the last word on whom the job waits for (a stall's, from a daemon without it)
+            culprit = message.waiting_for or message.stall
             self._progress.show(message, heard - started)
 
     def _next(self, deadline: float | None, timeout_s: float | None, what: str,
-              heard: float) -> DaemonMessage:
+              heard: float, culprit: str = "") -> DaemonMessage:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -79,6 +81,9 @@ class Connection:
             slice_ms = _POLL_SLICE_MS
             if deadline is not None:
                 left = deadline - time.monotonic()
+                if left <= 0 and culprit:
+                    raise CommdTimeout(
+                        f"commd: timed out after {timeout_s:g}s waiting for {what}: {culprit}")
                 if left <= 0:
                     raise CommdTimeout(
                         f"commd: timed out after {timeout_s:g}s waiting for {what}; "

@@ -302,7 +302,8 @@ class Coordinator:
         message = PeerStatus(job=formation.job, joined=ranks,
                              stall=stall.message if stall else "",
                              stall_s=stall.seconds if stall else 0.0,
-                             marks_pending=formation.watch.marks_pending())
+                             marks_pending=formation.watch.marks_pending(),
+                             waiting_for=formation.watch.waiting_for(formation.joins))
         for node in formation.joins:
             self._send(node, message)
 

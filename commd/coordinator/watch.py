@@ -5,7 +5,9 @@ stands: how long it has waited for marks of its local ranks, and which ranks hav
 which layer. A node silent for ``peer_timeout_s`` is named and the job aborted. When some ranks
 have marked what others have not, for ``stall_warn_s``, the stall is named once (the log, and
 every node's status and waiting ranks through ``PeerStatus``); Horovod's stall inspector does
-the same after 60 s. Pure bookkeeping: the coordinator sends what it returns.
+the same after 60 s. Whatever ``stall_warn_s`` is, who the job waits for goes to every node
+(``PeerStatus.waiting_for``), so that a rank whose own wait times out first names them too.
+Pure bookkeeping: the coordinator sends what it returns.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from commd_protocol import PeerHeartbeat, PeerJoin
+from commd_protocol.peer import NAME_UNMARKED_AFTER_S, describe_unmarked
 
 
 @dataclass
@@ -44,9 +47,24 @@ class JobWatch:
         """Some node's last heartbeat says it waits for marks of its ranks."""
         return any(w.beat is not None and w.beat.missing for w in self.nodes.values())
 
+    def waiting_for(self, joins: dict[bytes, PeerJoin]) -> str:
+        """The ranks that nodes have waited for past NAME_UNMARKED_AFTER_S by their last
+        heartbeat, in words; "" when none. Unlike a stall, whatever ``stall_warn_s`` is."""
+        index = {node: i for i, node in enumerate(_node_order(joins))}
+        rows = []
+        for node, watch in self.nodes.items():
+            beat, join = watch.beat, joins.get(node)
+            if beat is None or join is None or beat.waiting_s < NAME_UNMARKED_AFTER_S:
+                continue
+            where = f"node {index[node]}, {join.host}"
+            for rank, layer in beat.missing:
+                name = join.layers[layer].name if 0 <= layer < len(join.layers) else "?"
+                rows.append((rank, where, layer, name, beat.waiting_s))
+        return describe_unmarked(rows)
+
     def silent(self, joins: dict[bytes, PeerJoin], now: float, timeout_s: float) -> str:
         """'' unless a node of the job has been silent past ``timeout_s``; else who."""
-        order = sorted(joins, key=lambda node: min(joins[node].ranks))
+        order = _node_order(joins)
         for index, node in enumerate(order):
             watch = self.nodes.get(node)
             silent = now - watch.heard_at if watch else 0.0
@@ -76,6 +94,11 @@ class JobWatch:
                                waited)
         self.stall.seconds = waited
         return self.stall
+
+
+def _node_order(joins: dict[bytes, PeerJoin]) -> list[bytes]:
+    """The job's nodes by their lowest rank: node i of every message the coordinator words."""
+    return sorted(joins, key=lambda node: min(joins[node].ranks))
 
 
 def _describe(missing: list[tuple[int, int, PeerJoin, PeerHeartbeat]], marked: set[int],

@@ -4,7 +4,8 @@ the coordinator's silence, and what its waiting ranks hear every few seconds.
 A node whose coordinator has sent nothing for ``peer_timeout_s`` (or never answered its join
 within CONNECT_S) fails the job on every local rank, naming the coordinator. A waiting rank
 hears a ``progress`` message every BEAT_S: what the job waits for (who has not registered or
-joined, a stall), and, by its arrival, that its daemon is alive.
+joined, a stall), who the job waits for (its timeout names them), and, by its arrival, that
+its daemon is alive.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from commd.job.job import Job
 from commd.job.state import JobState
 from commd_protocol import ErrorCode, PeerHeartbeat, PeerStatus, Progress
+from commd_protocol.peer import MAX_WAITING_FOR_CHARS, NAME_UNMARKED_AFTER_S, describe_unmarked
 
 BEAT_S = 2.0  # heartbeats to the coordinator, progress to waiting ranks
 CONNECT_S = 5.0  # a coordinator that never answered by then is reported unreachable
@@ -21,6 +23,13 @@ def on_status(job: Job, message: PeerStatus, now: float) -> None:
     job.liveness.heard_at = now
     job.liveness.joined, job.liveness.stall = message.joined, message.stall
     job.liveness.stall_s, job.liveness.marks_pending = message.stall_s, message.marks_pending
+    job.liveness.waiting_for = culprit_text(message.waiting_for)
+
+
+def culprit_text(words: str) -> str:
+    """What this node passes on to its waiting ranks of the coordinator's ``waiting_for``:
+    every rank of the node gets it every BEAT_S, so a bounded prefix."""
+    return words[:MAX_WAITING_FOR_CHARS]
 
 
 def tick(job: Job, now: float, link: str) -> None:
@@ -38,7 +47,8 @@ def tick(job: Job, now: float, link: str) -> None:
         m.waiting is not None or (m.registration is not None and
                                   job.state is not JobState.RUNNING))]
     if waiting and job.state is not JobState.FAILED:
-        message = Progress(message=progress_message(job), stall=live.stall)
+        message = Progress(message=progress_message(job), stall=live.stall,
+                           waiting_for=local_waiting_for(job) or live.waiting_for)
         for member in waiting:
             job.ctx.send_client(member.identity, message)
 
@@ -66,6 +76,25 @@ def heartbeat(job: Job) -> PeerHeartbeat:
     return PeerHeartbeat(job=job.id, iteration=job.pipeline.iteration, waiting_s=waiting_s,
                          missing=[[ranks[local], layer] for local, layer in missing],
                          wire_s=wire_s)
+
+
+def local_waiting_for(job: Job) -> str:
+    """This node's own ranks that it has waited for past NAME_UNMARKED_AFTER_S, in words.
+    Preferred to the coordinator's: fresh, where those take a heartbeat and a status (up to
+    2 x BEAT_S), and a rank of this node that has not marked is a culprit wherever others are."""
+    if job.pipeline is None or job.setup is None:
+        return ""
+    waiting_s, missing, _ = job.pipeline.waiting()
+    if waiting_s < NAME_UNMARKED_AFTER_S or not missing:
+        return ""
+    ranks = {m.local_rank: m.rank for m in job.members.ranks.values()}
+    registration = job.members.any_registration()
+    layers = registration.layers if registration is not None else []
+    where = f"node {job.setup.node_index}, this node"
+    return describe_unmarked([
+        (ranks[local], where, layer,
+         layers[layer].name if 0 <= layer < len(layers) else "?", waiting_s)
+        for local, layer in missing])
 
 
 def progress_message(job: Job) -> str:

@@ -78,3 +78,4 @@ class Liveness:
     stall: str = ""  # the coordinator's stall warning, "" when none
     stall_s: float = 0.0
     marks_pending: bool = False  # some node waits for its ranks' marks (watchdog: be patient)
+    waiting_for: str = ""  # the coordinator's words on whom the job waits for, "" when none

@@ -141,6 +141,8 @@ class Progress(_Msg, tag="progress"):
 
     message: str  # what the job waits for, in words ("commd: …")
     stall: str = ""  # a stall warning (log it once), "" when none
+    # the ranks the job waits for (a waiting rank's timeout names them), "" when none
+    waiting_for: str = ""
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import msgspec
 
 from .messages import Layer, _Msg
@@ -127,6 +129,34 @@ class PeerStatus(_Msg, tag="peer_status"):
     # Some node still waits for its ranks' marks: a collective elsewhere that waits for it is
     # not overdue (the collective watchdog waits; the stall inspector speaks instead).
     marks_pending: bool = False
+    # Who the job waits for now (``describe_unmarked``), whatever stall_warn_s: a waiting rank
+    # whose own timeout runs out names them. "" when no node waits for marks (or an old daemon).
+    waiting_for: str = ""
+
+
+# A node that has waited this long for its ranks' marks names them: marks a moment late are
+# every iteration's normal; a rank late by more is worth naming to a rank that times out.
+NAME_UNMARKED_AFTER_S = 1.0
+MAX_NAMED_RANKS = 10  # ranks named one by one; the rest are counted
+_MAX_NAME_CHARS = 100  # of a layer's name, and of where a rank runs, in those words
+# What a node passes on of a coordinator's words to its ranks: above the longest that
+# ``describe_unmarked`` writes (10 rows of at most ~300 characters), so only a hostile
+# coordinator's words are cut.
+MAX_WAITING_FOR_CHARS = 4000
+
+
+def describe_unmarked(rows: list[tuple[int, str, int, str, float]]) -> str:
+    """Who the job waits for, in words, from (rank, where it runs, the first layer it has not
+    marked, that layer's name, seconds its node has waited) rows; "" for none. Shown in a
+    waiting rank's timeout, so it says what to do. Linear in the rows (a job may have 2**20)."""
+    if not rows:
+        return ""
+    parts = [f"rank {rank} ({where[:_MAX_NAME_CHARS]}) has not marked layer {layer} "
+             f"({name[:_MAX_NAME_CHARS]!r}) for {waited:.1f}s"
+             for rank, where, layer, name, waited in heapq.nsmallest(MAX_NAMED_RANKS, rows)]
+    more = f" and {len(rows) - MAX_NAMED_RANKS} more" if len(rows) > MAX_NAMED_RANKS else ""
+    which = "that process" if len(rows) == 1 else "those processes"
+    return f"{'; '.join(parts)}{more}; check {which} (stopped? stuck in data loading?)"
 
 
 PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
