@@ -53,7 +53,8 @@ class HostBuffer:
             link.settimeout(timeout)
             try:
                 link.connect(path)
-                socket.send_fds(link, [token.encode()], [self._fd])
+                with contextlib.suppress(BrokenPipeError):  # refused at once: read why below
+                    socket.send_fds(link, [token.encode()], [self._fd])
                 reply = link.recv(MAX_MESSAGE)
             except OSError as exc:
                 raise CommdError(f"commd: cannot hand the gradient buffer to the daemon at "
