@@ -217,11 +217,13 @@ class Daemon:
         # per message (~60 µs each).
         queued: zmq.Socket[bytes] = zmq.Socket.shadow(clients.underlying)
 
+        # Frames, not bytes (copy=False): a frame's Peer-Address is the kernel's word on the
+        # sender's uid, for its user's fair share (sessions, shares).
         def handle(frames: list[zmq.Frame]) -> None:
             self._client_guard.call("a client frame", self._sessions.on_frames, frames)
             for _ in range(_DRAIN_BATCH):
                 try:
-                    more = queued.recv_multipart(zmq.NOBLOCK, copy=False)  # frames: who sent
+                    more = queued.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._client_guard.call("a client frame", self._sessions.on_frames, more)
