@@ -11,6 +11,7 @@ import signal
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from commd.coordinator.watch import JobWatch
@@ -20,7 +21,7 @@ from commd_protocol import Layer, PeerHeartbeat, PeerJoin, PeerStatus, Progress,
 from commd_protocol.codec import daemon_codec
 from commd_protocol.peer import MAX_WAITING_FOR_CHARS
 
-from ranks import JobSpec, await_registered, collect, start_ranks
+from ranks import JobSpec, await_registered, collect, expected, start_ranks
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
 # Far below the default stall_warn_s (60 s); above the 1 s a node waits before it names a
@@ -49,7 +50,7 @@ def timeouts_with_one_stopped(processes: list[Any], stopped: int) -> list[dict[s
         kill_all(processes)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_timeout_names_a_stopped_rank_on_another_node_and_on_this_one(start_daemon) -> None:
     nodes = [start_daemon(), start_daemon()]  # defaults: stall_warn_s 60, no stall timeout
     results = timeouts_with_one_stopped(start_ranks(endless("culprit", nodes, 2)), stopped=3)
@@ -63,6 +64,18 @@ def test_a_timeout_names_a_stopped_rank_on_another_node_and_on_this_one(start_da
         assert f"rank 3 ({where}) has not marked layer " in error, error
         assert error.endswith("; check that process (stopped? stuck in data loading?)"), error
         assert "rank 0 " not in error and "rank 1 " not in error, error  # they all marked
+    assert_a_job_runs_exact(nodes)
+
+
+def assert_a_job_runs_exact(nodes: list[Any]) -> None:
+    """The daemons serve the next job, and its sums are exact."""
+    spec = JobSpec("after-culprit", nodes, 2, LAYERS, iterations=3, timeout=60)
+    for result in collect(start_ranks(spec), timeout=120):
+        assert "error" not in result and result["returncode"] == 0, result
+        assert len(result["iterations"]) == spec.iterations, result
+        for iteration, layers in enumerate(result["iterations"]):
+            for got, want in zip(layers, expected(spec, iteration), strict=True):
+                np.testing.assert_array_equal(np.array(got), want)
 
 
 @pytest.mark.timeout(120)
