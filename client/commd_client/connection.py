@@ -21,6 +21,7 @@ from commd_protocol import (
 )
 from commd_protocol.codec import daemon_codec
 from commd_protocol.messages import Progress
+from commd_protocol.reach import permission_problem
 
 _POLL_SLICE_MS = 200
 # The daemon sends a waiting rank a ``progress`` every 2 s: this much silence means it stopped.
@@ -39,6 +40,9 @@ class Connection:
             raise CommdError(f"commd: no daemon socket at {socket_path}; is `commd run` "
                              "running there? (COMMD_SOCKET names another path)",
                              ErrorCode.RANK_LOST)
+        denied = permission_problem(socket_path)  # else it would look like a silent daemon
+        if denied:
+            raise CommdError(denied, ErrorCode.RANK_LOST)
         self.socket_path = socket_path
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)

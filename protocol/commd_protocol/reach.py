@@ -1,0 +1,55 @@
+"""A daemon's ipc socket this user may not open, said as such: for the client and `commd status`.
+
+ZeroMQ connects to an ipc socket in the background and retries for ever, so a socket this
+user may not open (it is 0660: the daemon's user and group only) looked like a daemon that
+never answers. One plain ``connect`` first tells the kernel's refusal apart.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import os
+import pwd
+import socket
+import stat
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["permission_problem"]
+
+_PROBE_S = 2.0  # a daemon too busy to accept at once is ZeroMQ's to wait for, not ours
+
+
+def permission_problem(path: str) -> str:
+    """'' unless the kernel refuses this process a connection to ``path``; then a "commd: "
+    line naming the socket's mode, user and group and what to do."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(_PROBE_S)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return (f"commd: permission denied on the daemon socket {path}{_owners(path)}: "
+                    f"this user (uid {os.geteuid()}) may not open it; ask to be added to its "
+                    "group, or run as its user")
+    finally:
+        probe.close()
+    return ""
+
+
+def _owners(path: str) -> str:
+    """' (mode 0660, user U, group G)' when the socket can be looked at, else ''."""
+    try:
+        info = os.stat(path)
+    except OSError:  # a directory on the way that this user may not search
+        return ""
+    return (f" (mode {stat.S_IMODE(info.st_mode):04o}, user {_name(pwd.getpwuid, info.st_uid)}"
+            f", group {_name(grp.getgrgid, info.st_gid)})")
+
+
+def _name(lookup: Callable[[int], Any], number: int) -> str:
+    try:
+        return str(lookup(number)[0])
+    except (KeyError, OverflowError):
+        return str(number)
