@@ -90,6 +90,11 @@ class Job:
         the caller closes); once every local rank is in, ask the coordinator to join."""
         if member.registration is not None:
             raise JobError("register sent twice", ErrorCode.OUT_OF_ORDER)
+        if self.failure is not None:  # a failed job maps nothing more
+            raise JobError(self.failure.message, ErrorCode(self.failure.code))
+        if self.state is not JobState.FORMING:
+            raise JobError(f"register but job {self.id!r} is already {self.state}",
+                           ErrorCode.OUT_OF_ORDER)
         if not message.planner:
             message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
         validation.check_register(message, self.ctx,
@@ -229,12 +234,15 @@ class Job:
         if tell_coordinator and previous is not JobState.FORMING:
             self.ctx.send_peer(self.coordinator, PeerAbort(job=self.id, code=code, message=text))
         self._release_engine()
+        self._release_buffers()  # a failed job computes nothing more
 
     def leave(self, member: LocalRank, *, lost: bool) -> None:
         """A rank said goodbye (lost=False) or its process vanished (lost=True)."""
         if member.left:
             return
         member.left = True
+        if member.segment is not None:  # its memory goes now; the job cannot run on without it
+            member.segment.close()
         if lost and self.state.active:
             self.fail(
                 ErrorCode.RANK_LOST,
@@ -264,10 +272,7 @@ class Job:
         if self.state is not JobState.FAILED:
             self.state = JobState.CLOSED
         self._release_engine()
-        for member in self.members.ranks.values():
-            member.buffer = None
-            if member.segment is not None:
-                member.segment.close()
+        self._release_buffers()
         if self.ops is not None:
             self.ops.close()  # device: unmaps the ranks' buffers once the stream drained
 
@@ -277,6 +282,18 @@ class Job:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+    def _release_buffers(self) -> None:
+        """Unmap every rank's host buffer now (idempotent). The data plane may still hold
+        views (a collective stuck on a dead peer may even write): SharedSegment.close makes
+        that harmless. Dropping the pipeline's views lets the address ranges go too, without
+        waiting for the garbage collector to break the pipeline's reference cycles."""
+        if self.pipeline is not None:
+            self.pipeline.release()
+        for member in self.members.ranks.values():
+            member.buffer = None
+            if member.segment is not None:
+                member.segment.close()
 
     def status(self) -> JobStatus:
         return job_status(

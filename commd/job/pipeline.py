@@ -160,6 +160,14 @@ class Pipeline:
         if self._records is not None:
             self._records.cancel()
 
+    def release(self) -> None:
+        """Drop every view of the ranks' buffers, and the compression's state (after stop: the
+        job is over). The pipeline lives on in reference cycles until a full garbage
+        collection; views kept here would keep the buffers' address ranges that long."""
+        self.buffers.clear()  # the group views' list too
+        self._group_views = GroupViews(self.buffers)
+        self.compression = None
+
     # --- execution -------------------------------------------------------------------------------
 
     async def _run(self) -> None:
