@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import signal
 import socket
 import threading
 import time
@@ -22,12 +23,13 @@ import zmq
 
 from commd.daemon.server import Daemon
 from commd.job.segments import SLACK, SharedSegment
+from commd.testing.processes import kill_all
 from commd_client.host_buffer import SEALS, HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 from commd_protocol.handover import OK, buffer_socket_path
 
 from inprocess import coordinator_of, hello
-from ranks import JobSpec, collect, daemon_status, expected, start_ranks
+from ranks import JobSpec, await_registered, collect, daemon_status, expected, start_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -342,3 +344,35 @@ def test_a_two_node_job_is_exact_after_and_gives_its_memory_back(start_daemon: A
         assert memfd_mappings(node.process.pid, "commd-two-node") == 0
         assert after["RssShmem"] - earlier["RssShmem"] < 2 * 65536 * 4 // 2, (earlier, after)
 
+
+
+def test_a_job_failed_under_a_stuck_collective_is_unmapped_and_the_daemon_lives_on(
+        start_daemon: Any) -> None:
+    """Node 1's daemon stops mid-job: node 0's Gloo collective is stuck holding views of its
+    ranks' buffers (its group is kept until Gloo's timeout, and may still write). Node 0 unmaps
+    the buffers once the job is over anyway; when node 1 resumes and the collective ends, node
+    0 lives on and the next 2-node job is exact."""
+    nodes = [start_daemon(), start_daemon()]
+    layers = [("w", 65536), ("b", 10)]
+    stuck = JobSpec("stuck", nodes, 2, layers, iterations=10**6, timeout=120,
+                    overrides={rank: {"skip_results": True} for rank in range(4)})
+    processes = start_ranks(stuck)
+    try:
+        await_registered(processes)
+        nodes[1].process.send_signal(signal.SIGSTOP)
+        failed = collect(processes, timeout=60)
+    finally:
+        nodes[1].process.send_signal(signal.SIGCONT)
+        kill_all(processes)
+    assert all("error" in result for result in failed), failed
+    await_forgotten(nodes[0], stuck.job)
+    assert memfd_mappings(nodes[0].process.pid, "commd-stuck") == 0
+    await_forgotten(nodes[1], stuck.job)
+    assert memfd_mappings(nodes[1].process.pid, "commd-stuck") == 0
+    spec = JobSpec("after-stuck", nodes, 2, layers, op="sum", iterations=2)
+    for result in collect(start_ranks(spec)):
+        assert "error" not in result and result["returncode"] == 0, result
+        for iteration, got_layers in enumerate(result["iterations"]):
+            for got, want in zip(got_layers, expected(spec, iteration), strict=True):
+                np.testing.assert_array_equal(np.array(got), want)
+    assert [node.process.poll() for node in nodes] == [None, None]
