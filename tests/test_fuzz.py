@@ -9,7 +9,7 @@ MessagePack values. The properties:
   session), a valid daemon message; an ``error`` has a known code and a "commd: " message and
   is never an "internal error"; the daemon still answers ``status`` afterwards;
 - ipc socket, inside a running one-rank job: every reply is typed, the daemon goes on;
-- peer port (raw DEALER, no key: the fixture's daemon listens on 127.0.0.1): whatever comes
+- peer port (raw DEALER with the daemon's local key, as a peer daemon): whatever comes
   back is a valid peer message, the peer loop never dies and no frame raises inside it;
 - after every example a real one-rank job still forms (its join goes through the peer loop).
 
@@ -68,7 +68,7 @@ from commd_protocol import (
 from commd_protocol.codec import client_codec, daemon_codec, peer_codec
 from commd_protocol.messages import Registered
 
-from inprocess import RawClient, hello, register_job
+from inprocess import RawClient, hello, peer_dealer, register_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -513,9 +513,7 @@ async def peer_barrier(peer: zmq.asyncio.Socket) -> None:
 @given(frames=st.lists(peer_frames | multipart, min_size=1, max_size=10))
 async def test_peer_frames_never_stop_the_peer_loop(
         daemon: Daemon, zmq_context: zmq.asyncio.Context, frames: list[Any]) -> None:
-    peer = zmq_context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.connect(f"tcp://127.0.0.1:{daemon.peer_port}")
+    peer = peer_dealer(zmq_context, daemon)  # with the daemon's (local) key
     try:
         for frame in frames:
             if isinstance(frame, list):
