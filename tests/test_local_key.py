@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import socket
 import stat
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -337,7 +339,7 @@ def attempt(port: int, reason: str, cluster: Any, counted: Callable[[], int]) ->
 def test_every_kind_of_refused_handshake_is_counted_under_its_reason(
         start_daemon, tmp_path: Path) -> None:
     """Only the ZAP refusals (a wrong client key) used to be counted."""
-    node = start_daemon()
+    node = start_daemon("--metrics-listen", "127.0.0.1:0")
     cluster = socket_key(node.socket)
     counted: dict[str, int] = {}
     for reason in REASONS:
@@ -356,6 +358,19 @@ def test_every_kind_of_refused_handshake_is_counted_under_its_reason(
     assert status["peer_handshakes_refused"] == sum(refused_by(status).values())
     assert status["peer_handshakes_refused"] >= len(REASONS)
     assert "Traceback" not in node.log()
+    assert scraped_reasons(node) == refused_by(daemon_status(node.socket))
+
+
+def scraped_reasons(node: LocalDaemon) -> dict[str, int]:
+    """``commd_peer_handshakes_refused_by_reason_total`` per reason, from /metrics."""
+    ready = next(n for n in node.notifications if "metrics on" in n)
+    match = re.search(r"metrics on (\S+:\d+)", ready)
+    assert match, ready
+    with urllib.request.urlopen(f"http://{match.group(1)}/metrics", timeout=WAIT_S) as reply:
+        text = reply.read().decode()
+    found = re.findall(r'^commd_peer_handshakes_refused_by_reason_total\{reason="(\w+)"\} '
+                       r"(\S+)$", text, re.MULTILINE)
+    return {reason: int(float(number)) for reason, number in found}
 
 
 def test_the_counts_match_verdicts_to_connections() -> None:
