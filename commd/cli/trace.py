@@ -290,7 +290,8 @@ def register_command(subparsers: Any) -> None:
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw one iteration as a Gantt chart (needs matplotlib)")
     parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds the daemons may take to record (default: %(default)s)")
+                        help="seconds the daemons may take to record, at most 600 "
+                        "(default: %(default)s)")
     parser.set_defaults(func=run)
 
 
