@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import sys
@@ -156,6 +157,18 @@ INTRUDER = PRELUDE + """
 out = {"hello": ask(dealer(), hello(spec["job"], 1, 2)),
        "trace": ask(dealer(), {"type": "trace", "job": spec["job"], "timeout_s": 10})}
 print(json.dumps(out), flush=True)
+"""
+
+
+# The issue's numbers: 64 silent connections to the buffer socket, held until stdin closes.
+SILENT = PRELUDE + """
+links = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(64)]
+for link in links:
+    link.settimeout(20)
+    link.connect(spec["socket"] + ".buffers")
+answers = [link.recv(512).decode() for link in links[spec["share"]:]]  # accepted in order
+print(json.dumps({"refused": answers}), flush=True)
+sys.stdin.read()
 """
 
 
@@ -368,3 +381,26 @@ async def test_a_hand_over_refused_at_accept_hears_why(
         finally:
             buffer.close()
     assert daemon._buffers.pending_share.total == 0
+
+
+async def test_64_silent_connections_of_one_user_leave_anothers_hand_over_alone(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
+        processes: list[asyncio.subprocess.Process]) -> None:
+    """The daemon's own caps. The connections are held past the test (not closed after 1 s),
+    so that only the per-user cap lets the other user in."""
+    monkeypatch.setattr(handover, "CONNECTION_S", 60.0)
+    share = shares.BUFFER_CONNECTIONS.per_user
+    attacker = await start_as(ATTACKER, SILENT, daemon, share=share)
+    processes.append(attacker)
+    refused = (await result(attacker))["refused"]
+    assert len(refused) == 64 - share
+    assert all(per_user(shares.BUFFER_CONNECTIONS, ATTACKER) in answer for answer in refused)
+    assert daemon._buffers.connections_share.held(ATTACKER) == share
+    buffer = HostBuffer("commd-test-other-user", 16)
+    try:
+        token = await asyncio.to_thread(buffer.hand_over, daemon.settings.socket + ".buffers", 10)
+        handed = daemon._buffers.claim(token)
+        assert handed is not None and handed.uid == 0
+        os.close(handed.fd)  # claimed: ours to close
+    finally:
+        buffer.close()
