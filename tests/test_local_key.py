@@ -358,7 +358,12 @@ def test_every_kind_of_refused_handshake_is_counted_under_its_reason(
     assert status["peer_handshakes_refused"] == sum(refused_by(status).values())
     assert status["peer_handshakes_refused"] >= len(REASONS)
     assert "Traceback" not in node.log()
-    assert scraped_reasons(node) == refused_by(daemon_status(node.socket))
+    final = refused_by(daemon_status(node.socket))
+    assert scraped_reasons(node) == final
+    shown = subprocess.run([sys.executable, "-m", "commd.cli", "status", "--socket", node.socket],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    assert f"peer handshakes refused {sum(final.values())} (" in shown, shown
+    assert all(f"{reason} {number}" in shown for reason, number in final.items()), shown
 
 
 def scraped_reasons(node: LocalDaemon) -> dict[str, int]:

@@ -61,6 +61,11 @@ def render(status: DaemonStatus) -> str:
     ]
     if status.compression_loops:
         lines.append(f"compression loops {status.compression_loops}")
+    if status.peer_handshakes_refused:
+        reasons = ", ".join(f"{reason} {number}" for reason, number
+                            in status.peer_handshakes_refused_by.items() if number)
+        lines.append(f"peer handshakes refused {status.peer_handshakes_refused}"
+                     + (f" ({reasons})" if reasons else ""))
     if not status.jobs:
         lines.append("no jobs")
         return "\n".join(lines)
