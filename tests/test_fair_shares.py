@@ -29,6 +29,7 @@ import pytest
 from commd.daemon import handover, shares
 from commd.daemon.server import Daemon
 from commd.daemon.shares import Cap, Shares, peer_uid
+from commd.testing.daemons import LocalDaemon
 from commd_client import CommdError
 from commd_client.host_buffer import HostBuffer
 
@@ -110,15 +111,17 @@ print(json.dumps(got), flush=True)
 sys.stdin.read()
 """
 
-# User B: a two-rank job on this node, traced by its own user; prints what it got.
+# User B: a two-node job, one rank on this daemon and one on another, traced on this node by
+# its own user; prints what it got.
 VICTIM_JOB = PRELUDE + """
 registered, release = threading.Barrier(3, timeout=30), threading.Barrier(3, timeout=30)
 out = {}
 
 def rank(r):
     try:
-        with Client(job="b", rank=r, world_size=2, local_rank=r, local_world_size=2,
-                    coordinator=spec["coordinator"], socket=spec["socket"], timeout=30) as client:
+        with Client(job="b", rank=r, world_size=2, local_rank=0, local_world_size=1,
+                    coordinator=spec["coordinator"], socket=spec["sockets"][r],
+                    timeout=30) as client:
             grads = client.register([("x", 3), ("y", 5)], dtype="float32", op="sum",
                                     planner="wfbp", profile=False)
             registered.wait()
@@ -242,8 +245,17 @@ def per_user(cap: Cap, uid: int) -> str:
     return f"uid {uid} holds {cap.per_user} {cap.noun} already, the most one user may"
 
 
+@pytest.fixture
+def other_node(shared_dir: Path) -> Iterator[LocalDaemon]:
+    """A second daemon (a `commd run` subprocess) beside the in-process one: its socket in the
+    same directory, so it shares the in-process daemon's local key (a 2-node job on one host)."""
+    other = LocalDaemon(shared_dir, "other", "--backend", "gloo")
+    yield other
+    other.stop()
+
+
 async def test_one_user_at_its_caps_leaves_another_users_job_running_exact(
-        daemon: Daemon, small_caps: dict[str, Cap], connect: Any,
+        daemon: Daemon, small_caps: dict[str, Cap], connect: Any, other_node: LocalDaemon,
         processes: list[asyncio.subprocess.Process]) -> None:
     attacker = await start_as(ATTACKER, ATTACK, daemon, pending=small_caps["pending"].per_user,
                               connections=small_caps["connections"].per_user)
@@ -266,7 +278,8 @@ async def test_one_user_at_its_caps_leaves_another_users_job_running_exact(
     assert buffers.pending_share.held(ATTACKER) == small_caps["pending"].per_user
     assert buffers.connections_share.held(ATTACKER) == small_caps["connections"].per_user
 
-    victim = await start_as(VICTIM, VICTIM_JOB, daemon)
+    victim = await start_as(VICTIM, VICTIM_JOB, daemon,
+                            sockets=[daemon.settings.socket, other_node.socket])
     processes.append(victim)
     out = await result(victim)
     for rank in ("0", "1"):
@@ -276,6 +289,7 @@ async def test_one_user_at_its_caps_leaves_another_users_job_running_exact(
                 expected = [3 * (iteration + 1) + 2 * (index + j) for j in range(size)]
                 assert grad == expected, (rank, iteration, index)
     assert out["trace"]["type"] == "trace_reply" and out["trace"]["iterations"] == [0], out
+    assert (out["trace"]["node_index"], out["trace"]["nodes"]) == (0, 2)  # a 2-node job
 
     # Root is capped per daemon only, and may trace any user's job.
     tracer = connect()
