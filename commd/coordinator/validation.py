@@ -16,7 +16,7 @@ from commd_protocol.checks import (
     ranks_problem,
 )
 from commd_protocol.dtypes import itemsize
-from commd_protocol.limits import MAX_LAYER_ELEMENTS, count_problem, ranks_bound_problem
+from commd_protocol.limits import count_problem, ranks_bound_problem
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 
 MAX_HOST_CHARS = 255  # a DNS name
@@ -54,9 +54,6 @@ def join_problem(join: PeerJoin, limits: JoinLimits = JoinLimits()) -> tuple[str
                or layout_problem(join.dtype, join.op, join.device) or layers_problem(join.layers))
     if problem:
         return problem, ErrorCode.INVALID
-    largest = max(layer.size for layer in join.layers)
-    if largest > MAX_LAYER_ELEMENTS:
-        return (f"a layer of {largest} elements is over 2**40"), ErrorCode.INVALID
     nbytes = sum(layer.size for layer in join.layers) * itemsize(join.dtype)
     if nbytes > limits.max_job_bytes:
         return (f"the layers need {nbytes} bytes, over this coordinator's limit of "

@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
+from .limits import MAX_LAYER_ELEMENTS
 from .messages import DEVICES, DTYPES, OPS, Layer
 
 JOB_ID = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
@@ -26,8 +27,9 @@ def layers_problem(layers: Sequence[Layer], max_layers: int | None = None) -> st
         return f"{len(layers)} layers is over this daemon's limit of {max_layers} (max_layers)"
     names: set[str] = set()
     for index, layer in enumerate(layers):
-        if layer.size <= 0:
-            return f"layer {index} ({layer.name!r}) has size {layer.size}; must be > 0"
+        if not 0 < layer.size <= MAX_LAYER_ELEMENTS:
+            return f"layer {index} ({layer.name[:100]!r}) has size {layer.size}; must be " \
+                   "> 0 and not over 2**40"
         if len(layer.name) > MAX_NAME_CHARS:
             return f"layer {index}'s name is {len(layer.name)} characters; at most " \
                    f"{MAX_NAME_CHARS}"
