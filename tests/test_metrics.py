@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import selectors
 import socket
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from commd_protocol.handover import buffer_socket_path
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 from commd_protocol.status import DaemonStatus, JobState, JobStatus, LatencySummary
 
+from inprocess import peer_dealer
 from ranks import JobSpec, await_registered, collect, start_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -229,9 +231,7 @@ async def test_refusals_and_errors_sent_are_counted(daemon: Daemon, connect: Any
     reply = await client.ask(b"\xc1")  # not MessagePack
     assert reply["type"] == "error" and reply["code"] == "malformed"
     context = zmq.asyncio.Context()
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.connect(f"tcp://127.0.0.1:{daemon.peer_port}")
+    peer = peer_dealer(context, daemon)  # a key holder: its frame reaches the peer loop
     await peer.send_multipart([b"one", b"two"])  # a peer message of several frames
 
     def hand_over_nothing() -> bytes:
@@ -260,29 +260,249 @@ async def test_refusals_and_errors_sent_are_counted(daemon: Daemon, connect: Any
     assert value(samples, "commd_clients_connected") == 0  # no hello: no session
 
 
-async def test_the_server_runs_on_its_own_thread_and_stops_with_the_daemon(
+async def test_the_server_runs_on_the_loop_without_a_thread_and_stops_with_the_daemon(
         tmp_path: Path) -> None:
     def names() -> list[str]:  # less the loop's default executor (to_thread, here)
         return sorted(t.name for t in threading.enumerate() if not t.name.startswith("asyncio_"))
 
     before = names()
-    for listen, threads in (("", before), ("127.0.0.1:0", sorted([*before, "commd-metrics"]))):
+    for listen in ("", "127.0.0.1:0"):
         daemon = Daemon(Settings(socket=str(tmp_path / "d.sock"), listen="127.0.0.1:0",
                                  backend="gloo", metrics_listen=listen))
         try:
             await daemon.setup()
-            assert names() == threads
+            assert names() == before
             assert (daemon._metrics is None) == (listen == "")
             address = daemon._metrics.address if daemon._metrics else ""
             if address:
                 samples, _ = await asyncio.to_thread(scrape, address)
                 assert value(samples, "commd_uptime_seconds") is not None
+                assert names() == before  # a scrape starts no thread either
         finally:
             await daemon.cleanup()
         assert names() == before
         if address:
             with pytest.raises(urllib.error.URLError):
                 await asyncio.to_thread(scrape, address)
+
+
+# --- scrapers that are not polite (commd/daemon/metrics_http.py) --------------------------------
+
+DAEMON_FAMILIES = {"commd_daemon_info", "commd_uptime_seconds", "commd_jobs",
+                   "commd_jobs_coordinated", "commd_nodes_coordinated",
+                   "commd_peer_handshakes_refused", "commd_peer_handshakes_refused_by_reason",
+                   "commd_clients_connected",
+                   "commd_peer_links_open", "commd_errors_sent", "commd_frames_refused",
+                   "commd_buffer_handovers_refused", "commd_job_iterations",
+                   "commd_job_plan_groups", "commd_job_plan_version", "commd_job_replans",
+                   "commd_job_exposed_comm_predicted_seconds",
+                   "commd_job_exposed_comm_measured_seconds", "commd_job_stall_seconds",
+                   "commd_job_ready_to_launch_seconds", "commd_job_wire_bytes",
+                   "commd_job_wire_seconds"}
+GET = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n"
+
+
+def threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Threads line for {pid}")
+
+
+def closings(socks: list[socket.socket], pid: int,
+             timeout: float = 30.0) -> tuple[list[bytes], int]:
+    """Wait until the server closed every socket of ``socks`` (a reset counts as a close):
+    what each got, and the most threads process ``pid`` had meanwhile. A server that keeps one
+    open past ``timeout`` fails the test."""
+    got = {sock: b"" for sock in socks}
+    peak = threads(pid)
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            assert left > 0, f"{len(selector.get_map())} of {len(socks)} connections still open"
+            for key, _ in selector.select(min(left, 0.5)):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    chunk = sock.recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
+                got[sock] += chunk
+                if not chunk:
+                    selector.unregister(sock)
+            peak = max(peak, threads(pid))
+    return [got[sock] for sock in socks], peak
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.mark.timeout(120)
+def test_slow_connections_hold_no_thread_and_are_closed_by_the_deadline(start_daemon) -> None:
+    node = start_daemon("--metrics-listen", "127.0.0.1:0")
+    address = metrics_address(node)
+    pid = node.process.pid
+    before = threads(pid)
+    slow = []
+    try:
+        for _ in range(40):  # one header byte each, then silence
+            sock = socket.create_connection(host_port(address), timeout=10)
+            slow.append(sock)
+            sock.sendall(b"G")
+        # 16 take the slots, the other 24 are closed at once (a 503, unless their byte came
+        # first: then a reset); the 16 go at the 5 s deadline with no reply. A server with a
+        # thread per connection grows 40 threads and closes none.
+        replies, peak = closings(slow, pid)
+        assert peak <= before
+        assert all(r == b"" or r.startswith(b"HTTP/1.1 503 ") for r in replies), replies
+        assert sum(r == b"" for r in replies) >= 16
+    finally:
+        for sock in slow:
+            sock.close()
+    kinds = scrape(address)[1]  # the slots are free again
+    assert {kind.split()[0] for kind in kinds} == DAEMON_FAMILIES
+    assert threads(pid) <= before
+
+
+async def ask(address: str, request: bytes, *, close_after: bool = False) -> bytes:
+    """Send ``request`` on a fresh connection; what comes back until the server closes."""
+    host, port = host_port(address)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(request)
+        if close_after:
+            writer.write_eof()
+        return await asyncio.wait_for(reader.read(), 30)
+    except ConnectionResetError:
+        return b""
+    finally:
+        writer.close()
+
+
+async def until(check: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)  # polling the in-process server's count, with a deadline
+
+
+async def test_the_17th_connection_is_refused_at_once_and_scrapes_work_once_slots_free(
+        daemon: Daemon) -> None:
+    assert daemon._metrics is not None
+    server, address = daemon._metrics.server, daemon._metrics.address
+    server.head_deadline_s = 600.0  # the 16 idle ones stay while the 17th is tried
+    host, port = host_port(address)
+    idle = [await asyncio.open_connection(host, port) for _ in range(16)]
+    try:
+        for _, writer in idle:
+            writer.write(b"G")
+        await until(lambda: server.connections == 16, "16 connections accepted")
+        reply = await ask(address, b"")  # says nothing: the 503 is read before the close
+        assert reply.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), reply
+        assert reply.endswith(b"commd: too many metrics connections\n")
+        reply = await ask(address, GET)  # a 503 too, or a reset if the request came first
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 503 "), reply
+        assert (server.connections, server.refused, server.expired) == (16, 2, 0)
+    finally:
+        for _, writer in idle:
+            writer.close()
+    await until(lambda: server.connections == 0, "the idle connections to go")
+    reply = await ask(address, GET)
+    assert reply.startswith(b"HTTP/1.1 200 OK\r\n"), reply[:200]
+    families = {f.name for f in text_string_to_metric_families(reply.split(b"\r\n\r\n", 1)[1]
+                                                               .decode())}
+    assert families == DAEMON_FAMILIES
+
+
+async def test_a_silent_connection_is_dropped_at_the_deadline(daemon: Daemon) -> None:
+    assert daemon._metrics is not None
+    server = daemon._metrics.server
+    server.head_deadline_s = 0.2
+    assert await ask(daemon._metrics.address, b"GET /metr") == b""  # no reply, closed
+    assert server.expired == 1
+    await until(lambda: server.connections == 0, "the connection to go")
+
+
+async def test_hostile_requests_get_a_typed_answer_and_a_close(daemon: Daemon) -> None:
+    assert daemon._metrics is not None
+    address, server = daemon._metrics.address, daemon._metrics.server
+
+    def status_line(reply: bytes) -> bytes:
+        return reply.split(b"\r\n", 1)[0]
+
+    cases = [
+        (b"GET /other HTTP/1.1\r\n\r\n", b"HTTP/1.1 404 Not Found", b"commd: only /metrics"),
+        (b"GET /metricsX HTTP/1.1\r\n\r\n", b"HTTP/1.1 404 Not Found", b"commd: only /metrics"),
+        (b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc",
+         b"HTTP/1.1 405 Method Not Allowed", b"commd: only GET and HEAD"),
+        (b"GET /metrics\r\n\r\n", b"HTTP/1.1 400 Bad Request", b"commd: not an HTTP request"),
+        (b"\x00\xff\x16\x03\x01 garbage\r\n\r\n", b"HTTP/1.1 400 Bad Request",
+         b"commd: not an HTTP request"),
+        (b"GET http://x/metrics HTTP/1.1\r\n\r\n", b"HTTP/1.1 400 Bad Request",
+         b"commd: not an HTTP request"),
+        (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+         b"HTTP/1.1 431 Request Header Fields Too Large", b"commd: request head over 8192"),
+        (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 100_000,  # never ends
+         b"HTTP/1.1 431 Request Header Fields Too Large", b"commd: request head over 8192"),
+    ]
+    for request, expected, says in cases:
+        reply = await ask(address, request)
+        assert status_line(reply) == expected, (request[:40], reply[:200])
+        assert says in reply and b"Connection: close" in reply
+    # A head cut short by the client's close gets no answer.
+    assert await ask(address, b"GET /metrics HTTP/1.1\r\n", close_after=True) == b""
+    # HEAD: the headers alone; a query string is ignored.
+    head = await ask(address, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+    assert status_line(head) == b"HTTP/1.1 200 OK" and head.endswith(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
+    full = await ask(address, b"GET /metrics?x=1 HTTP/1.1\r\n\r\n")
+    assert status_line(full) == b"HTTP/1.1 200 OK"
+    assert len(full.split(b"\r\n\r\n", 1)[1]) == length > 0
+    # A request sent a byte at a time is still one request.
+    host, port = host_port(address)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        for byte in GET:
+            writer.write(bytes([byte]))
+            await writer.drain()
+        assert status_line(await asyncio.wait_for(reader.read(), 30)) == b"HTTP/1.1 200 OK"
+    finally:
+        writer.close()
+    await until(lambda: server.connections == 0, "every connection to go")
+    assert server.refused == server.expired == 0
+
+
+async def test_scrapes_in_a_burst_render_once_per_interval(daemon: Daemon) -> None:
+    assert daemon._metrics is not None
+    server = daemon._metrics.server
+    server.cache_s = 600.0  # the burst below falls in one interval, however slow the machine
+    before = server.renders
+    bodies = {(await ask(daemon._metrics.address, GET)).split(b"\r\n\r\n", 1)[1]
+              for _ in range(50)}
+    assert server.renders - before <= 1 and len(bodies) == 1
+
+
+async def test_a_reply_nobody_reads_is_dropped_at_the_deadline() -> None:
+    from commd.daemon.metrics_http import MetricsServer
+
+    server = MetricsServer(lambda: b"x" * (64 << 20), "text/plain", head_deadline_s=0.5)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(GET)  # then never read the 64 MiB: more than the sockets buffer
+            await until(lambda: server.expired == 1, "the reply's deadline")
+            await until(lambda: server.connections == 0, "the connection to go")
+        finally:
+            writer.close()
+    finally:
+        await server.close()
 
 
 # --- the collector alone -------------------------------------------------------------------------

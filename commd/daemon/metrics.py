@@ -1,14 +1,16 @@
 """Prometheus metrics: ``commd run --metrics-listen HOST:PORT`` serves ``/metrics`` over HTTP.
 
-One idea: one collector, in a registry of its own (never the process-wide default one). What
-status already keeps is read at scrape time, on the HTTP server's thread, from
-``Daemon.status()`` and a few counts (reads only; the event loop is never asked to wait). What
-status does not keep, each collective's bytes and wire time and the plan changes, is observed
-on the event loop once per finished iteration (``JobContext.observe`` → ``observe_iteration``,
-counted just after the iteration's ``done`` replies went out), and the errors sent to clients
-as they leave (``error_sent``). A job gone from the daemon's job table leaves every per-job
-series at the next scrape, so the ``job`` label stays bounded. docs/metrics.md lists every
-metric.
+One idea: one collector, in a registry of its own (never the process-wide default one), served
+on the daemon's event loop by the bounded server of ``metrics_http`` (a cap on connections, a
+deadline, a size cap, the rendered text cached for a second: a scraper cannot hold a thread or
+make the loop render more than once a second). What status already keeps is read at render
+time from ``Daemon.status()`` and a few counts. What status does not keep, each collective's
+bytes and wire time and the plan changes, is observed on the event loop once per finished
+iteration (``JobContext.observe`` → ``observe_iteration``, counted just after the iteration's
+``done`` replies went out), and the errors sent to clients as they leave (``error_sent``).
+Everything runs on the loop, so nothing here is locked. A job gone from the daemon's job table
+leaves every per-job series at the next render, so the ``job`` label stays bounded.
+docs/metrics.md lists every metric.
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from commd.daemon.metrics_http import MetricsServer
 from commd.daemon.sockets import StartupError
 from commd_protocol.address import split_host_port
 from commd_protocol.peer import ALLGATHER
@@ -46,12 +49,11 @@ SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.
                    1.0, 2.5, 5.0, 10.0)
 # A plan's exchange of a group → the ``exchange`` label of its collective.
 EXCHANGES = {"dense": "allreduce", "allreduce": "allreduce_topk", "allgather": "allgather"}
-SNAPSHOT_TRIES = 3  # status read on the scrape thread: a job table changed meanwhile → again
 
 
 @dataclass(frozen=True)
 class Counts:
-    """What the daemon counts beside its status, read at scrape time."""
+    """What the daemon counts beside its status, read at render time."""
 
     clients: int = 0  # client sessions: connections that said hello
     peer_links: int = 0  # links open to the coordinators of our jobs
@@ -100,42 +102,36 @@ class Metrics(Collector):
         self._status = status
         self._counts = counts
         self._jobs = jobs  # the daemon's job table: read on the event loop only
-        self._lock = threading.Lock()  # the data path's series: the loop writes, scrapes read
         self._series: dict[str, _JobSeries] = {}
         self._errors: dict[str, int] = {}  # by code
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.address = ""  # HOST:PORT served, once serving
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self.server = MetricsServer(self.render, CONTENT_TYPE_LATEST)
 
     # --- serving ---------------------------------------------------------------------------------
 
-    def serve(self, listen: str) -> str:
-        """Serve /metrics on ``listen`` (HOST:PORT; port 0: a free one) on a thread of its own;
+    async def serve(self, listen: str) -> str:
+        """Serve /metrics on ``listen`` (HOST:PORT; port 0: a free one) on this event loop;
         the address served. StartupError, in one line, when it cannot bind."""
         host, port = split_host_port(listen)
         try:
-            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+            bound = await self.server.start(host, port)
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise StartupError(f"commd: cannot serve metrics on {listen}: {why}; pass another "
                                "--metrics-listen") from None
-        self._thread.name = "commd-metrics"
-        bound = self._server.server_address[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)
         return self.address
 
-    def close(self) -> None:
-        """Stop serving (blocks up to half a second: the server's poll interval)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+    async def close(self) -> None:
+        """Stop serving; open scrape connections are dropped."""
+        await self.server.close()
+
+    def render(self) -> bytes:
+        """The exposition text of every metric (the server caches it)."""
+        return generate_latest(self.registry)
 
     # --- the data path (the event loop) -----------------------------------------------------------
 
@@ -145,33 +141,32 @@ class Metrics(Collector):
         asyncio.get_running_loop().call_soon(self._observe, job, record)
 
     def _observe(self, job: str, record: IterationRecord) -> None:
-        with self._lock:
-            series = self._series.get(job)
-            if series is None:
-                series = self._series[job] = _JobSeries()
-            if series.version is not None and series.version != record.plan:
-                series.replans += 1
-            series.version = record.plan
-            if series.labels is not None and series.labels[0] == record.plan:
-                labels: list[str] | None = series.labels[1]
-            else:
-                labels = self._labels(job, record.plan)
-                if labels is not None:
-                    series.labels = (record.plan, labels)
-            wire = series.wire
-            for sample in record.comm:
-                group = sample.key[1]
-                if labels is not None and 0 <= group < len(labels):
-                    exchange = labels[group]
-                else:  # the plan is no longer the running one: told from the collective
-                    exchange = "allgather" if sample.kind == ALLGATHER else (
-                        "allreduce" if record.ratio >= 1.0 else "allreduce_topk")
-                pair = wire.get(exchange)
-                if pair is None:
-                    pair = wire[exchange] = (_Histogram(BYTES_BUCKETS),
-                                             _Histogram(SECONDS_BUCKETS))
-                pair[0].observe(sample.nbytes)
-                pair[1].observe(sample.seconds)
+        series = self._series.get(job)
+        if series is None:
+            series = self._series[job] = _JobSeries()
+        if series.version is not None and series.version != record.plan:
+            series.replans += 1
+        series.version = record.plan
+        if series.labels is not None and series.labels[0] == record.plan:
+            labels: list[str] | None = series.labels[1]
+        else:
+            labels = self._labels(job, record.plan)
+            if labels is not None:
+                series.labels = (record.plan, labels)
+        wire = series.wire
+        for sample in record.comm:
+            group = sample.key[1]
+            if labels is not None and 0 <= group < len(labels):
+                exchange = labels[group]
+            else:  # the plan is no longer the running one: told from the collective
+                exchange = "allgather" if sample.kind == ALLGATHER else (
+                    "allreduce" if record.ratio >= 1.0 else "allreduce_topk")
+            pair = wire.get(exchange)
+            if pair is None:
+                pair = wire[exchange] = (_Histogram(BYTES_BUCKETS),
+                                         _Histogram(SECONDS_BUCKETS))
+            pair[0].observe(sample.nbytes)
+            pair[1].observe(sample.seconds)
 
     def _labels(self, job: str, version: int) -> list[str] | None:
         """The ``exchange`` label of each group of plan ``version``, if it is still the job's
@@ -184,38 +179,22 @@ class Metrics(Collector):
 
     def error_sent(self, code: str) -> None:
         """An ``Error`` went to a client."""
-        with self._lock:
-            self._errors[str(code)] = self._errors.get(str(code), 0) + 1
+        self._errors[str(code)] = self._errors.get(str(code), 0) + 1
 
-    # --- a scrape (the HTTP server's thread) ------------------------------------------------------
+    # --- a render (on the event loop, at most once per the server's cache interval) -------------
 
     def collect(self) -> Iterator[Metric]:
-        status = self._snapshot()
+        status = self._status()
         counts = self._counts()
-        live = {job.job for job in status.jobs} if status is not None else None
-        with self._lock:
-            if live is not None:  # bounded cardinality: a forgotten job's series go
-                for gone in [job for job in self._series if job not in live]:
-                    del self._series[gone]
-            observed = {job: (series.replans,
-                              {e: (b.buckets(), b.total) for e, (b, _) in series.wire.items()},
-                              {e: (t.buckets(), t.total) for e, (_, t) in series.wire.items()})
-                        for job, series in self._series.items()}
-            errors = dict(self._errors)
-        yield from _daemon_families(status, counts, errors)
-        if status is not None:
-            yield from _job_families(status.jobs, observed)
-
-    def _snapshot(self) -> DaemonStatus | None:
-        """``Daemon.status()`` read from this thread; None when the job table kept changing
-        under it (the status families are left out of this scrape)."""
-        for attempt in range(SNAPSHOT_TRIES):
-            try:
-                return self._status()
-            except Exception as exc:  # e.g. "dictionary changed size during iteration"
-                if attempt == SNAPSHOT_TRIES - 1:
-                    log.warning("metrics: status unreadable in this scrape: %r", exc)
-        return None
+        live = {job.job for job in status.jobs}
+        for gone in [job for job in self._series if job not in live]:
+            del self._series[gone]  # bounded cardinality: a forgotten job's series go
+        observed = {job: (series.replans,
+                          {e: (b.buckets(), b.total) for e, (b, _) in series.wire.items()},
+                          {e: (t.buckets(), t.total) for e, (_, t) in series.wire.items()})
+                    for job, series in self._series.items()}
+        yield from _daemon_families(status, counts, dict(self._errors))
+        yield from _job_families(status.jobs, observed)
 
 
 def _daemon_families(status: DaemonStatus | None, counts: Counts,
@@ -241,9 +220,15 @@ def _daemon_families(status: DaemonStatus | None, counts: Counts,
         yield GaugeMetricFamily("commd_nodes_coordinated", "Nodes that joined the jobs this "
                                 "daemon coordinates",
                                 value=sum(job.nodes for job in status.coordinating))
-        yield CounterMetricFamily("commd_peer_handshakes_refused", "Peer connections turned "
-                                  "away without the cluster key",
+        yield CounterMetricFamily("commd_peer_handshakes_refused", "Handshakes refused on the "
+                                  "peer port, every reason",
                                   value=status.peer_handshakes_refused)
+        by_reason = CounterMetricFamily("commd_peer_handshakes_refused_by_reason", "The same by "
+                                        "reason: no_key, wrong_server_key, wrong_client_key, "
+                                        "garbage", labels=["reason"])
+        for reason, number in sorted(status.peer_handshakes_refused_by.items()):
+            by_reason.add_metric([reason], number)
+        yield by_reason
     yield GaugeMetricFamily("commd_clients_connected", "Client connections (ranks) that said "
                             "hello", value=counts.clients)
     yield GaugeMetricFamily("commd_peer_links_open", "Links open to the coordinators of this "
