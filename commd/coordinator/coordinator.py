@@ -6,15 +6,18 @@ clients name it (the daemon on rank 0's node), so no election is needed.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
 
-from commd.coordinator.replanner import Replanner
+from commd.coordinator.replanner import Decision, Replanner
 from commd.coordinator.validation import (
     JoinLimits,
     heartbeat_problem,
@@ -90,8 +93,12 @@ MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
 
 class Coordinator:
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
-                 deadlines: Deadlines = Deadlines(), limits: JoinLimits | None = None) -> None:
+                 deadlines: Deadlines = Deadlines(), limits: JoinLimits | None = None,
+                 plan_in_thread: bool = False) -> None:
         self._deadlines = deadlines
+        # plan_in_thread: decide plans off the event loop (the daemon); else in the call
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="commd-planner") \
+            if plan_in_thread else None
         self._limits = limits or JoinLimits()  # what one join may ask the coordinator to hold
         self._send = send
         self._store_port = store_port
@@ -215,13 +222,34 @@ class Coordinator:
         if len(round_reports) < len(formation.joins):
             return
         del formation.reports[profile.round]
-        decision = formation.replanner.decide(list(round_reports.values()))
+        work = functools.partial(formation.replanner.decide, list(round_reports.values()))
+        if self._planner is None:
+            self._decided(formation, profile.round, work())
+            return
+        # Planning a job of --max-layers layers takes longer than a loop turn may: it runs on
+        # the planner thread (one, so a job's rounds are decided in order), the loop serves on.
+        future = asyncio.get_running_loop().run_in_executor(self._planner, work)
+        future.add_done_callback(functools.partial(self._planned, formation, profile.round))
+
+    def _planned(self, formation: Formation, round_number: int,
+                 future: asyncio.Future[Decision]) -> None:
+        if future.cancelled() or self._jobs.get(formation.job) is not formation:
+            return  # the job ended while it was planned
+        problem = future.exception()
+        if problem is not None:
+            log.error("job %s: planning round %d failed", formation.job, round_number,
+                      exc_info=problem)
+            self._abort_all(formation, ErrorCode.INVALID, f"planning failed: {problem!r}")
+            return
+        self._decided(formation, round_number, future.result())
+
+    def _decided(self, formation: Formation, round_number: int, decision: Decision) -> None:
         if decision.reason != "no drift":
-            log.info("job %s plan v%d from iteration %d: %d groups (%s)", profile.job,
+            log.info("job %s plan v%d from iteration %d: %d groups (%s)", formation.job,
                      decision.version, decision.effective_iteration, len(decision.groups),
                      decision.reason)
         message = PeerPlan(
-            job=profile.job, round=profile.round,
+            job=formation.job, round=round_number,
             effective_iteration=decision.effective_iteration, version=decision.version,
             groups=decision.groups, alpha_s=decision.cost.alpha_s,
             beta_s_per_byte=decision.cost.beta_s_per_byte,
@@ -316,6 +344,11 @@ class Coordinator:
             formation.forget(join)
         if not formation.joins:
             del self._jobs[leave.job]
+
+    def close(self) -> None:
+        """Stop the planner thread; a plan being decided is dropped."""
+        if self._planner is not None:
+            self._planner.shutdown(wait=False, cancel_futures=True)
 
     def status(self) -> list[CoordinatedJob]:
         return [CoordinatedJob(job=f.job, formed=f.formed, nodes=len(f.joins),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from commd.compression.topk import parse_compression
 from commd.plan import get_planner
 from commd_protocol import PROTOCOL_VERSION, ErrorCode, PeerHeartbeat, PeerJoin, PeerProfile
@@ -80,14 +82,14 @@ def profile_problem(profile: PeerProfile, layers: int) -> str:
     if problem:
         return problem
     if profile.ready_offsets_s and (len(profile.ready_offsets_s) != layers
-                                    or not finite(profile.ready_offsets_s)):
+                                    or not _all_finite(profile.ready_offsets_s)):
         return f"ready_offsets_s must be {layers} finite offsets >= 0"
-    for row in profile.comm:
-        if len(row) not in (4, 5) or not finite(row[2:4]) or not finite(row[:2], minimum=-1e18) \
-                or max(row[:3]) > MAX_COMM_KEY:
-            return f"comm row {row[:6]} must be [iteration, group, bytes, seconds(, kind)]"
-        if len(row) == 5 and row[4] not in (ALLREDUCE, ALLGATHER):
+    bad = _bad_comm_row(profile.comm)
+    if bad is not None:
+        row = profile.comm[bad]
+        if len(row) == 5 and finite(row[:4], minimum=-1e18):
             return f"comm row {row[:6]} has an unknown kind {row[4]!r}"
+        return f"comm row {row[:6]} must be [iteration, group, bytes, seconds(, kind)]"
     if len(profile.gains) > MAX_GAIN_ROWS:
         return f"gains has {len(profile.gains)} rows, at most {MAX_GAIN_ROWS}"
     for row in profile.gains:
@@ -122,3 +124,33 @@ def heartbeat_problem(beat: PeerHeartbeat, join: PeerJoin) -> str:
                     f"0..{len(join.layers) - 1}]")
         seen.add(row[0])
     return ""
+
+
+def _all_finite(values: list[float]) -> bool:
+    """``finite(values)`` in one numpy pass: a report carries one offset per layer."""
+    array = np.asarray(values, dtype=np.float64)
+    return bool(np.isfinite(array).all() and (array >= 0).all())
+
+
+def _bad_comm_row(rows: list[list[float]]) -> int | None:
+    """The index of the first comm row that is not [iteration, group, bytes, seconds(, kind)]
+    (keys within ±MAX_COMM_KEY, bytes and seconds finite and >= 0, kind a known one); None
+    when all are fine. Checked in numpy: a 4 MiB report holds ~90,000 rows."""
+    if not rows:
+        return None
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    wrong = np.flatnonzero((lengths != 4) & (lengths != 5))
+    if wrong.size:
+        return int(wrong[0])
+    table = np.full((len(rows), 5), float(ALLREDUCE))
+    short = lengths == 4
+    if short.any():
+        table[short, :4] = [rows[i] for i in np.flatnonzero(short)]
+    if not short.all():
+        table[~short] = [rows[i] for i in np.flatnonzero(~short)]
+    with np.errstate(invalid="ignore"):
+        ok = (np.isfinite(table).all(axis=1) & (table[:, :2] >= -1e18).all(axis=1)
+              & (table[:, 2:4] >= 0).all(axis=1) & (table[:, :3] <= MAX_COMM_KEY).all(axis=1)
+              & np.isin(table[:, 4], (ALLREDUCE, ALLGATHER)))
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else None

@@ -85,7 +85,8 @@ class Daemon:
         self._coordinator = Coordinator(self._send_peer_reply, self._rendezvous.port, Deadlines(
             form_s=settings.timeout_s, peer_s=settings.peer_timeout_s,
             stall_warn_s=settings.stall_warn_s, stall_s=settings.stall_timeout_s),
-            JoinLimits(max_layers=settings.max_layers, max_job_bytes=settings.max_job_bytes))
+            JoinLimits(max_layers=settings.max_layers, max_job_bytes=settings.max_job_bytes),
+            plan_in_thread=True)
         self._security = PeerSecurity()  # the cluster key and who may connect
         self._metrics: Metrics | None = None  # --metrics-listen (docs/metrics.md)
         self._client_guard = Guard("client")
@@ -186,6 +187,7 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._links.close()
+        self._coordinator.close()
         await self._security.stop()  # its socket monitor first, while the socket is open
         # The error replies of the drain still leave: closing lingers up to LINGER_MS for them.
         for sock in (self._clients, self._peers):
