@@ -17,6 +17,12 @@ plus the ratio over all repeats pooled.
     .venv/bin/python bench/overhead.py --ready both         # also one ready() per layer
     .venv/bin/python bench/overhead.py --planner wfbp --json
     .venv/bin/python bench/overhead.py --metrics            # daemons serve /metrics, scraped 1/s
+    .venv/bin/python bench/overhead.py --metrics --scrape-rate 200 --model deep_mlp
+
+With ``--scrape-rate R`` the same commd job runs every iteration twice over, once quiet and once
+while a scraper process GETs each daemon's /metrics R times a second (a fresh connection
+each, as Prometheus does), interleaved like raw and commd; the headline is then the scraped
+median over the quiet median (target: at most 5 % slower).
 
 Timed per iteration, in each client process: from just before ``ready()`` to the return of
 ``wait()``; in each baseline process: ``pg.allreduce([t]).wait()``. Medians, p10 and p90 are
@@ -53,6 +59,8 @@ from commd.testing.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.10
+TARGET_SCRAPED = 1.05  # --scrape-rate: the job under a scraper vs the same job quiet
+SCRAPED = "+scraped"  # the suffix of a mode's variant that runs under the scraper
 WORLD = 2
 JOB_PREFIX = "bench-overhead-"  # client segments are /dev/shm/commd-<job>-r<rank>-<hex>
 
@@ -150,10 +158,64 @@ def _client_worker(spec: dict[str, Any]) -> None:
         _serve_commands(step)
 
 
+def _scrape_once(host: str, port: int, timeout: float) -> bool:
+    """One GET /metrics on a fresh connection, read to the server's close; True on a 200."""
+    import socket
+
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nAccept: */*\r\n\r\n")
+        got = bytearray()
+        while chunk := sock.recv(1 << 16):
+            got += chunk
+    return got.startswith(b"HTTP/1.1 200") or got.startswith(b"HTTP/1.0 200")
+
+
+def _scraper_worker(spec: dict[str, Any]) -> None:
+    """Scrapes every daemon ``spec["rate"]`` times a second between an "on" and an "off"
+    line (on a thread, so that "off" is heard); "off" answers with the counts."""
+    targets = [(host, int(port)) for host, port in spec["targets"]]
+    period = 1.0 / spec["rate"]
+    stop = threading.Event()
+    counts = {"scrapes": 0, "failed": 0, "seconds": 0.0}
+
+    def scrape() -> None:
+        start = next_at = time.monotonic()
+        while not stop.is_set():
+            for host, port in targets:
+                try:
+                    ok = _scrape_once(host, port, spec["timeout"])
+                except OSError:
+                    ok = False
+                counts["scrapes" if ok else "failed"] += 1
+            next_at += period  # a fixed schedule: a slow scrape does not lower the rate
+            stop.wait(max(0.0, next_at - time.monotonic()))
+        counts["seconds"] += time.monotonic() - start
+
+    thread: threading.Thread | None = None
+    _say({"ready": True})
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "on" and thread is None:
+            stop.clear()
+            thread = threading.Thread(target=scrape, name="scraper")
+            thread.start()
+            _say({"on": True})
+        elif command == "off" and thread is not None:
+            stop.set()
+            thread.join()
+            thread = None
+            _say(dict(counts))
+        else:
+            break
+
+
+WORKERS = {"raw": _raw_worker, "client": _client_worker, "scraper": _scraper_worker}
+
+
 def worker_main(kind: str, spec_json: str) -> int:
     spec = json.loads(spec_json)
     with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
-        (_raw_worker if kind == "raw" else _client_worker)(spec)
+        WORKERS[kind](spec)
     return 0
 
 
@@ -237,10 +299,14 @@ class Worker:
 class Harness:
     """Owns everything this benchmark starts; ``close()`` stops it all, in reverse order."""
 
-    def __init__(self, timeout: float, keep_logs: bool, metrics: bool = False) -> None:
+    def __init__(self, timeout: float, keep_logs: bool, metrics: bool = False,
+                 scrape_rate: float = 0.0) -> None:
         self.timeout = timeout
         self.keep_logs = keep_logs
         self.metrics = metrics  # --metrics: the daemons serve /metrics, scraped every second
+        self.scrape_rate = scrape_rate  # --scrape-rate: a scraper process, on per iteration
+        self.scraper: Worker | None = None
+        self.scraped = {"scrapes": 0, "failed": 0, "seconds": 0.0}  # its counts, last "off"
         self._scraper: threading.Thread | None = None
         self._scraping = threading.Event()
         self.scrapes = 0
@@ -270,9 +336,30 @@ class Harness:
                 if match is None:
                     raise BenchError(f"daemon {daemon.name} serves no metrics: {notes!r}")
                 urls.append(f"http://{match.group(1)}/metrics")
+            if self.scrape_rate:
+                self._start_scraper([url.split("/")[2].rsplit(":", 1) for url in urls])
+                return
             self._scraper = threading.Thread(target=self._scrape, args=(urls,),
                                              name="bench-scraper", daemon=True)
             self._scraper.start()
+
+    def _start_scraper(self, targets: list[list[str]]) -> None:
+        """The --scrape-rate scraper: a process of its own, so that neither its CPU nor its
+        GIL is this process's (which paces the ranks)."""
+        path = self.workdir / "scraper.err"
+        with open(path, "wb") as errors:
+            self.scraper = Worker("scraper", {"rank": 0, "targets": targets,
+                                              "rate": self.scrape_rate,
+                                              "timeout": self.timeout}, errors)
+        self.scraper.receive(time.monotonic() + self.timeout)
+
+    def scraping(self, on: bool) -> None:
+        """Turn the scraper on (it is scraping when this returns) or off (it has stopped)."""
+        assert self.scraper is not None
+        self.scraper.send("on" if on else "off")
+        answer = self.scraper.receive(time.monotonic() + self.timeout)
+        if not on:
+            self.scraped = {key: answer[key] for key in self.scraped}
 
     def _scrape(self, urls: list[str]) -> None:
         """Every second, GET each daemon's /metrics, like a Prometheus server with a 1 s
@@ -331,6 +418,8 @@ class Harness:
     def close(self) -> list[str]:
         """Stop workers, then daemons; remove (and return) segments our jobs leaked."""
         self.stop_workers()
+        if self.scraper is not None:
+            self.scraper.stop()
         self._scraping.set()
         if self._scraper is not None:
             self._scraper.join()
@@ -363,11 +452,17 @@ def run_repeat(
         pairs[mode] = harness.commd_pair(layers, args.planner, mode)
     deadline = time.monotonic() + args.timeout
     info = {name: [w.receive(deadline) for w in pair] for name, pair in pairs.items()}
+    if harness.scrape_rate:  # the same job's workers, each iteration again under the scraper
+        for mode in modes:
+            pairs[mode + SCRAPED] = pairs[mode]
     times: dict[str, list[list[dict[str, Any]]]] = {name: [[], []] for name in pairs}
     order = list(pairs)
     for iteration in range(args.warmup + args.iterations):
         # Alternate the order every round, so that neither side always runs first.
         for name in order if iteration % 2 == 0 else order[::-1]:
+            scraped = name.endswith(SCRAPED)
+            if scraped:
+                harness.scraping(True)
             for worker in pairs[name]:
                 worker.send("go")
             deadline = time.monotonic() + args.timeout
@@ -375,6 +470,8 @@ def run_repeat(
                 result = worker.receive(deadline)
                 if iteration >= args.warmup:
                     times[name][worker.rank].append(result)
+            if scraped:
+                harness.scraping(False)
     harness.stop_workers()
     groups = {mode: info[mode][0].get("groups") for mode in modes}
     return {"times": times, "groups": groups}
@@ -411,7 +508,7 @@ def summarise(repeats: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
                 "ratio": [c["median_ms"] / r["median_ms"] for c, r in zip(ranks, raw, strict=True)],
                 "paired_ratio": paired(series(run, mode, 0), series(run, "raw", 0)),
                 "ready_call_ms": stats(series(run, mode, 0, "ready_s"))["median_ms"],
-                "groups": run["groups"][mode],
+                "groups": run["groups"][mode.removesuffix(SCRAPED)],
             }
         per_repeat.append(entry)
     pooled: dict[str, Any] = {"raw": stats([t for run in repeats for t in series(run, "raw", 0)])}
@@ -422,7 +519,23 @@ def summarise(repeats: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]
             [t for run in repeats for t in series(run, mode, 0)],
             [t for run in repeats for t in series(run, "raw", 0)],
         )
-    return {"repeats": per_repeat, "pooled_rank0": pooled}
+    summary = {"repeats": per_repeat, "pooled_rank0": pooled}
+    scraped = {}  # --scrape-rate: each mode's scraped iterations over its quiet ones
+    for mode in (m for m in modes if m + SCRAPED in modes):
+        def both(name: str, rank: int) -> list[float]:
+            return [t for run in repeats for t in series(run, name, rank)]
+
+        scraped[mode] = {
+            "ratio": [stats(both(mode + SCRAPED, rank))["median_ms"]
+                      / stats(both(mode, rank))["median_ms"] for rank in range(WORLD)],
+            "paired_ratio": [paired(both(mode + SCRAPED, rank), both(mode, rank))
+                             for rank in range(WORLD)],
+            "per_repeat": [stats(series(run, mode + SCRAPED, 0))["median_ms"]
+                           / stats(series(run, mode, 0))["median_ms"] for run in repeats],
+        }
+    if scraped:
+        summary["scraped_vs_quiet"] = scraped
+    return summary
 
 
 def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[str],
@@ -434,33 +547,40 @@ def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[
           f"{args.iterations} measured iterations per repeat, raw and commd interleaved")
     print("ms on rank 0 (rank 1's median in its own column); ratio = commd median / raw median, "
           "rank 0 / rank 1; paired = median of per-iteration ratios, rank 0")
-    header = (f"{'repeat':>6}  {'what':<17} {'median':>8} {'p10':>8} {'p90':>8} {'rank1':>8}"
+    header = (f"{'repeat':>6}  {'what':<23} {'median':>8} {'p10':>8} {'p90':>8} {'rank1':>8}"
               f"  {'ratio':<13}  notes")
     print(header)
     print("-" * (len(header) + 40))
     for entry in summary["repeats"]:
         raw = entry["raw"]
-        print(f"{entry['repeat']:>6}  {'raw gloo':<17} {raw[0]['median_ms']:8.1f} "
+        print(f"{entry['repeat']:>6}  {'raw gloo':<23} {raw[0]['median_ms']:8.1f} "
               f"{raw[0]['p10_ms']:8.1f} {raw[0]['p90_ms']:8.1f} {raw[1]['median_ms']:8.1f}")
         for mode in modes:
             m = entry["commd"][mode]
             c = m["ranks"]
             ratio = f"{m['ratio'][0]:.3f} / {m['ratio'][1]:.3f}"
-            print(f"{'':>6}  {'commd ready=' + mode:<17} {c[0]['median_ms']:8.1f} "
+            print(f"{'':>6}  {'commd ready=' + mode:<23} {c[0]['median_ms']:8.1f} "
                   f"{c[0]['p10_ms']:8.1f} {c[0]['p90_ms']:8.1f} {c[1]['median_ms']:8.1f}  "
                   f"{ratio:<13}  paired {m['paired_ratio']:.3f}, {m['groups']} group(s), "
                   f"ready() {m['ready_call_ms']:.2f} ms")
     print("-" * (len(header) + 40))
     pooled = summary["pooled_rank0"]
     raw = pooled["raw"]
-    print(f"{'pooled':>6}  {'raw gloo':<17} {raw['median_ms']:8.1f} {raw['p10_ms']:8.1f} "
+    print(f"{'pooled':>6}  {'raw gloo':<23} {raw['median_ms']:8.1f} {raw['p10_ms']:8.1f} "
           f"{raw['p90_ms']:8.1f}")
     for mode in modes:
         c = pooled[mode]
         verdict = "within" if c["ratio"] <= TARGET_RATIO else "ABOVE"
-        print(f"{'':>6}  {'commd ready=' + mode:<17} {c['median_ms']:8.1f} {c['p10_ms']:8.1f} "
+        print(f"{'':>6}  {'commd ready=' + mode:<23} {c['median_ms']:8.1f} {c['p10_ms']:8.1f} "
               f"{c['p90_ms']:8.1f} {'':>8}  {c['ratio']:<13.3f}  paired {c['paired_ratio']:.3f}; "
               f"{verdict} the {TARGET_RATIO:.2f} target")
+    for mode, m in summary.get("scraped_vs_quiet", {}).items():
+        verdict = "within" if max(m["ratio"]) <= TARGET_SCRAPED else "ABOVE"
+        print(f"scraped at {args.scrape_rate:g}/s per daemon vs quiet, ready={mode}: median ratio "
+              f"{m['ratio'][0]:.3f} / {m['ratio'][1]:.3f} (rank 0 / rank 1), paired "
+              f"{m['paired_ratio'][0]:.3f} / {m['paired_ratio'][1]:.3f}, per repeat "
+              f"{', '.join(f'{r:.3f}' for r in m['per_repeat'])}; {verdict} the "
+              f"{TARGET_SCRAPED:.2f} target")
     print(f"machine: {info['cpus']} CPUs, torch {info['torch']}, Python {info['python']}, "
           f"loopback; load average {info['loadavg_start'][0]:.2f} at start, "
           f"{info['loadavg_end'][0]:.2f} at end")
@@ -505,10 +625,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics", action="store_true",
                         help="daemons serve Prometheus metrics (--metrics-listen 127.0.0.1:0), "
                              "scraped every second (docs/metrics.md)")
+    parser.add_argument("--scrape-rate", type=float, default=0.0, metavar="R",
+                        help="with --metrics: run every iteration of the job twice, quiet and "
+                             "while a scraper GETs each daemon's /metrics R times a second; "
+                             "reports the scraped/quiet ratio")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error("--iterations and --repeats must be >= 1, --warmup >= 0")
+    if args.scrape_rate < 0 or (args.scrape_rate and not args.metrics):
+        parser.error("--scrape-rate needs --metrics and a rate > 0")
     return args
 
 
@@ -518,9 +644,10 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(*args.worker)
     layers = MODELS[args.model]()
     modes = ["all", "each"] if args.ready == "both" else [args.ready]
+    measured = [*modes, *(mode + SCRAPED for mode in modes if args.scrape_rate)]
     signal.signal(signal.SIGTERM, _interrupt)
     info = machine()
-    harness = Harness(args.timeout, args.keep_logs, args.metrics)
+    harness = Harness(args.timeout, args.keep_logs, args.metrics, args.scrape_rate)
     repeats: list[dict[str, Any]] = []
     try:
         harness.start_daemons()
@@ -540,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         if leaked:
             print(f"removed leaked shared-memory segments: {leaked}", file=sys.stderr)
     info["loadavg_end"] = list(os.getloadavg())
-    summary = summarise(repeats, modes)
+    summary = summarise(repeats, measured)
     if args.json:
         print(json.dumps({
             "benchmark": "overhead", "model": args.model, "layers": len(layers),
@@ -548,13 +675,19 @@ def main(argv: list[str] | None = None) -> int:
             "planner": args.planner, "ready": modes, "iterations": args.iterations,
             "warmup": args.warmup, "target_ratio": TARGET_RATIO, "machine": info,
             "metrics": args.metrics, "scrapes": harness.scrapes,
+            "scrape_rate": args.scrape_rate, "scraper": harness.scraped,
             "summary": summary,
             "times_s": [{name: [[r["t"] for r in rank] for rank in ranks]
                          for name, ranks in run["times"].items()} for run in repeats],
         }, indent=1))
     else:
-        print_report(summary, args, modes, info)
-        if args.metrics:
+        print_report(summary, args, measured, info)
+        if args.scrape_rate:
+            done = harness.scraped
+            rate = done["scrapes"] / done["seconds"] if done["seconds"] else 0.0
+            print(f"scraper: {done['scrapes']} scrapes answered 200 ({done['failed']} not) in "
+                  f"{done['seconds']:.1f} s of scraping: {rate:.0f}/s over both daemons")
+        elif args.metrics:
             print(f"metrics on: both daemons served /metrics, scraped {harness.scrapes} times")
     return 0
 

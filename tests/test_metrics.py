@@ -488,6 +488,25 @@ async def test_scrapes_in_a_burst_render_once_per_interval(daemon: Daemon) -> No
     assert server.renders - before <= 1 and len(bodies) == 1
 
 
+async def test_a_slow_render_stretches_the_interval_between_renders() -> None:
+    from commd.daemon.metrics_http import RENDER_SHARE, MetricsServer
+
+    def slow() -> bytes:  # a daemon with very many jobs: rendering takes long on the loop
+        until = time.monotonic() + 0.2
+        while time.monotonic() < until:
+            pass
+        return b"text"
+
+    server = MetricsServer(slow, "text/plain", cache_s=0.0)  # no fixed interval at all
+    port = await server.start("127.0.0.1", 0)
+    try:
+        for _ in range(3):  # within 0.2 s / RENDER_SHARE (10 s) of the first render
+            assert (await ask(f"127.0.0.1:{port}", GET)).endswith(b"\r\n\r\ntext")
+        assert server.renders == 1 and RENDER_SHARE <= 0.02
+    finally:
+        await server.close()
+
+
 async def test_a_reply_nobody_reads_is_dropped_at_the_deadline() -> None:
     from commd.daemon.metrics_http import MetricsServer
 

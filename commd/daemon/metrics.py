@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,10 +78,16 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         cumulative, rows = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+        for bound, count in zip(_le_labels(tuple(self.bounds)), self.counts, strict=True):
             cumulative += count
-            rows.append((floatToGoString(bound), float(cumulative)))
+            rows.append((bound, float(cumulative)))
         return rows
+
+
+@functools.cache
+def _le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` label of each bucket, +Inf last: formatted once, not at every render."""
+    return tuple(floatToGoString(bound) for bound in (*bounds, float("inf")))
 
 
 @dataclass

@@ -17,7 +17,8 @@ stretch:
   ``max_head_bytes``, one timer; no thread, no task.
 - **Rendering**: the exposition text is rendered on the loop at most once per ``cache_s``
   and served from that cache in between, so scrapes at any rate cost one render per interval
-  plus an accept and a write each.
+  plus an accept and a write each. A render that took longer than ``RENDER_SHARE`` of the
+  interval (a daemon with dozens of jobs) stretches the interval to keep that share.
 
 ``GET`` and ``HEAD`` of ``/metrics`` (a query string is ignored) are served; another path is
 ``404``, another method ``405``, a request line that is not HTTP ``400``.
@@ -40,6 +41,7 @@ MAX_CONNECTIONS = 16
 HEAD_DEADLINE_S = 5.0
 MAX_HEAD_BYTES = 8192  # a Prometheus request head is a few hundred bytes
 CACHE_S = 1.0  # Prometheus scrapes every 15 s by default: a second-old figure is fresh
+RENDER_SHARE = 0.02  # at most this share of the loop's time goes to rendering (many jobs)
 _BACKLOG = 64
 _METHODS = (b"GET", b"HEAD")
 _PATH = b"/metrics"
@@ -73,7 +75,7 @@ class MetricsServer:
         self.head_deadline_s = head_deadline_s
         self.max_head_bytes = max_head_bytes
         self.cache_s = cache_s
-        self._cached: tuple[float, bytes] | None = None  # (monotonic time rendered, text)
+        self._cached: tuple[float, bytes] | None = None  # (monotonic time fresh until, text)
         self._open: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self.renders = 0  # how many times the text was rendered (the cache's misses)
@@ -142,15 +144,16 @@ class MetricsServer:
 
     def _text(self) -> bytes | None:
         now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < self.cache_s:
+        if self._cached is not None and now < self._cached[0]:
             return self._cached[1]
         try:
             text = self._render()
         except Exception:
             log.exception("metrics: collecting failed")
             return None
+        took = time.monotonic() - now
         self.renders += 1
-        self._cached = (now, text)
+        self._cached = (now + max(self.cache_s, took / RENDER_SHARE), text)
         return text
 
 
