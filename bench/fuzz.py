@@ -3,6 +3,13 @@
     .venv/bin/python bench/fuzz.py                  # 100,000 frames per socket
     .venv/bin/python bench/fuzz.py --frames 2000    # a quick run
     .venv/bin/python bench/fuzz.py --seed 7 --json results.json
+    .venv/bin/python bench/fuzz.py --worst          # the worst frame per type, timed
+
+``--worst`` is its own mode (bench/worst_frames.py): two daemons without a key (``w0``,
+``w1``, ``--max-layers`` as given); for every client and peer message type the frames that
+make it cost most within the 4 MiB cap go to ``w0``, each timed by how long a ``status``
+prober on another connection was held; then a real 2-node job on ``w0``+``w1`` must be exact.
+It fails when a frame blocks the loop longer than ``--limit-ms`` or gets an untyped reply.
 
 What runs (docs/reliability.md says more):
 
@@ -1010,11 +1017,21 @@ def main() -> int:
     parser.add_argument("--job-timeout", type=float, default=120.0)
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--worst", action="store_true",
+                        help="the worst frame per message type, timed (instead of fuzzing)")
+    parser.add_argument("--max-layers", type=int, default=65536,
+                        help="--worst: the daemons' --max-layers (the default is commd's)")
+    parser.add_argument("--window", type=float, default=1.0,
+                        help="--worst: seconds the prober watches the loop after each frame")
+    parser.add_argument("--limit-ms", type=float, default=50.0,
+                        help="--worst: the most a frame may block the loop")
     parser.add_argument("--rank-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_worker:
         rank_worker(json.loads(args.rank_worker))
         return 0
+    if args.worst:
+        return worst_mode(args)
     signal.signal(signal.SIGTERM, _interrupted)
     workdir = Path(tempfile.mkdtemp(prefix="commd-fuzz-"))
     daemons: list[LocalDaemon] = []
@@ -1125,6 +1142,71 @@ def main() -> int:
             daemon.stop()
         context.destroy(linger=0)
         if keep:
+            print(f"[fuzz] logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def worst_mode(args: argparse.Namespace) -> int:
+    """``--worst``: every message type's worst frames against ``w0``, then a real job."""
+    import worst_frames
+
+    signal.signal(signal.SIGTERM, _interrupted)
+    workdir = Path(tempfile.mkdtemp(prefix="commd-worst-"))
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    daemons: list[LocalDaemon] = []
+    started = time.monotonic()
+    failed = True
+
+    def progress(text: str) -> None:
+        print(f"[fuzz] {text} ({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
+
+    try:
+        for name in ("w0", "w1"):
+            daemons.append(LocalDaemon(workdir, name, "--backend", "gloo", "--max-layers",
+                                       str(args.max_layers)))
+        w0, _ = daemons
+        rows = worst_frames.run(w0, context, args.max_layers, args.window,
+                                args.reply_timeout, workdir, progress)
+        alive = w0.process.poll() is None and answers_status(w0.socket, context,
+                                                             args.reply_timeout)
+        problems = log_problems(w0)
+        progress("a real job on w0+w1")
+        exact, job = real_job("worst-after", daemons, args.job_timeout) if alive else \
+            (False, "w0 is gone")
+        worst = max(rows, key=lambda row: row.blocked_ms)
+        checks = [
+            (f"worst blocking (limit {args.limit_ms:g} ms)", worst.blocked_ms <= args.limit_ms,
+             f"{worst.blocked_ms:.1f} ms ({worst.type}: {worst.frame})"),
+            ("untyped replies", not any(row.untyped for row in rows),
+             str(sum(row.untyped for row in rows))),
+            ("daemon alive, status answered", alive, str(alive)),
+            ("tracebacks / caught exceptions in the log", not problems, str(len(problems))),
+            ("job afterwards on w0+w1", exact, job),
+        ]
+        failed = not all(ok for _, ok, _ in checks)
+        print(f"\n## commd fuzz --worst: --max-layers {args.max_layers}, window "
+              f"{args.window:g} s, {time.monotonic() - started:.0f} s\n")
+        print(table([["socket", "type", "frame", "bytes", "loop blocked (ms)", "replies"]] + [
+            [row.side, row.type, row.frame, f"{row.size:,}", f"{row.blocked_ms:.1f}",
+             ", ".join(sorted(set(row.replies))) or "-"] for row in rows]))
+        print()
+        print(table([["check", "result", "value"]] + [
+            [name, "pass" if ok else "**FAIL**", text] for name, ok, text in checks]))
+        for line in problems[:5]:
+            print(f"- w0 log: {line[:300]}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "max_layers": args.max_layers, "window_s": args.window,
+                "rows": [vars(row) for row in rows],
+                "checks": [{"check": n, "ok": ok, "value": v} for n, ok, v in checks],
+            }, indent=1))
+        return 1 if failed else 0
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+        context.destroy(linger=0)
+        if failed or args.keep_logs:
             print(f"[fuzz] logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -26,7 +26,7 @@ from commd.daemon.server import Daemon
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 from commd_protocol.handover import buffer_socket_path
-from commd_protocol.limits import MAX_COUNT, MAX_RANKS
+from commd_protocol.limits import MAX_COUNT, MAX_LOCAL_RANKS, MAX_RANKS
 
 from inprocess import RawClient, coordinator_of, hand_over, still_serving
 from ranks import JobSpec, collect, expected, start_ranks
@@ -277,13 +277,13 @@ async def test_joins_of_one_job_share_one_layer_list(daemon: Daemon) -> None:
 
 
 @pytest.mark.parametrize(("beat", "words"), [
-    ({"missing": [[0, 0]] * 100_000}, "missing has 100000 rows"),
+    ({"missing": [[0, 0], [0, 1]]}, "missing has 2 rows for the node's 1 ranks"),
     ({"missing": [[0, 0, 0]]}, "missing row"),
     ({"missing": [[5, 0]]}, "missing row"),
     ({"missing": [[0, 2**64 - 1]]}, "missing row"),
     ({"iteration": 2**64 - 1}, "iteration"),
     ({"waiting_s": float("inf")}, "waiting_s"),
-], ids=["100k-rows", "row-of-3", "not-its-rank", "layer-2**64", "iteration", "waiting-inf"])
+], ids=["two-rows", "row-of-3", "not-its-rank", "layer-2**64", "iteration", "waiting-inf"])
 async def test_a_bad_heartbeat_aborts_its_job_only(
         daemon: Daemon, peer: zmq.asyncio.Socket, beat: dict[str, Any], words: str) -> None:
     await peer.send(msgpack.packb(join()))
@@ -294,6 +294,28 @@ async def test_a_bad_heartbeat_aborts_its_job_only(
     reply = await answer(peer)
     assert reply["type"] == "peer_abort" and reply["code"] == "invalid", reply
     assert "heartbeat is refused" in reply["message"] and words in reply["message"], reply
+    assert failures(daemon) == {}
+
+
+async def test_frames_past_what_any_node_sends_are_dropped_before_they_are_built(
+        daemon: Daemon, peer: zmq.asyncio.Socket) -> None:
+    """A heartbeat naming more ranks than a daemon serves, a coordinator's own messages sent
+    to a coordinator: refused from their header or tag (counted), the job goes on."""
+    await peer.send(msgpack.packb(join()))
+    assert (await answer(peer))["type"] == "peer_setup"
+    await peer.send(msgpack.packb({"type": "peer_heartbeat", "job": "pj",
+                                   "missing": [[0, 0]] * (MAX_LOCAL_RANKS + 1)}))
+    await peer.send(msgpack.packb({"type": "peer_plan", "job": "pj", "round": 0,
+                                   "effective_iteration": 0, "version": 1,
+                                   "groups": [[0]] * 1_000_000, "alpha_s": 0.0,
+                                   "beta_s_per_byte": 0.0, "predicted_comm_s": 0.0}))
+    await peer.send(msgpack.packb({"type": "peer_profile", "job": "pj", "round": 0,
+                                   "iteration": -1}))
+    reply = await answer(peer)
+    assert reply["type"] == "peer_plan" and reply["round"] == 0, reply  # the job went on
+    counts = daemon._peer_guard.counts
+    assert counts["bad peer message (malformed)"] == 1, counts
+    assert counts["peer message a coordinator does not take"] == 1, counts
     assert failures(daemon) == {}
 
 

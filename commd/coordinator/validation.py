@@ -3,8 +3,10 @@ or a report that does not fit is refused before it touches any job's state."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from commd.compression.topk import parse_compression
@@ -18,7 +20,7 @@ from commd_protocol.checks import (
     ranks_problem,
 )
 from commd_protocol.dtypes import itemsize
-from commd_protocol.limits import count_problem, ranks_bound_problem
+from commd_protocol.limits import MAX_LOCAL_RANKS, count_problem, ranks_bound_problem
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 
 MAX_HOST_CHARS = 255  # a DNS name
@@ -30,6 +32,28 @@ MAX_GAIN_ROWS = 32
 # Comm rows carry [iteration, group, bytes] as floats; the planner turns them into ints and
 # numpy int64: magnitudes up to 1e18 stay below 2**63.
 MAX_COMM_KEY = 1e18
+
+
+# What coordinators send (to the daemons of their jobs, on links those daemons opened): on a
+# coordinator's own peer port they mean nothing, so they are refused from their tag alone,
+# before the body is decoded (a plan's million one-layer groups would cost the loop that).
+NOT_FOR_A_COORDINATOR = frozenset({"peer_setup", "peer_plan", "peer_status"})
+
+
+class _Tagged(msgspec.Struct, forbid_unknown_fields=False):
+    type: object = None
+
+
+_tag_decoder = msgspec.msgpack.Decoder(_Tagged)
+
+
+def frame_tag(frame: bytes) -> object:
+    """A frame's ``type`` as sent, read without decoding the rest (skipped, not built); None
+    when the frame is no map (its full decode says why)."""
+    try:
+        return _tag_decoder.decode(frame).type
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,9 @@ def join_problem(join: PeerJoin, limits: JoinLimits = JoinLimits()) -> tuple[str
     if len(join.layers) > limits.max_layers:
         return (f"{len(join.layers)} layers is over this coordinator's limit of "
                 f"{limits.max_layers} (max_layers)"), ErrorCode.LIMIT
+    if len(join.ranks) > MAX_LOCAL_RANKS:
+        return (f"{len(join.ranks)} ranks on one node; a daemon serves at most "
+                f"{MAX_LOCAL_RANKS}"), ErrorCode.INVALID
     problem = (job_id_problem(join.job) or ranks_bound_problem("world_size", join.world_size)
                or ranks_problem(join.ranks, join.world_size)
                or layout_problem(join.dtype, join.op, join.device) or layers_problem(join.layers))
@@ -143,11 +170,12 @@ def _bad_comm_row(rows: list[list[float]]) -> int | None:
     if wrong.size:
         return int(wrong[0])
     table = np.full((len(rows), 5), float(ALLREDUCE))
-    short = lengths == 4
-    if short.any():
-        table[short, :4] = [rows[i] for i in np.flatnonzero(short)]
-    if not short.all():
-        table[~short] = [rows[i] for i in np.flatnonzero(~short)]
+    for width in (4, 5):  # one array per row length: no Python work per row
+        where = np.flatnonzero(lengths == width)
+        if where.size:
+            flat = itertools.chain.from_iterable(rows[i] for i in where.tolist())
+            table[where, :width] = np.fromiter(flat, dtype=np.float64,
+                                               count=where.size * width).reshape(-1, width)
     with np.errstate(invalid="ignore"):
         ok = (np.isfinite(table).all(axis=1) & (table[:, :2] >= -1e18).all(axis=1)
               & (table[:, 2:4] >= 0).all(axis=1) & (table[:, :3] <= MAX_COMM_KEY).all(axis=1)

@@ -23,7 +23,7 @@ import zmq.asyncio
 import commd
 from commd.compression import native
 from commd.coordinator.coordinator import Coordinator, Deadlines
-from commd.coordinator.validation import JoinLimits
+from commd.coordinator.validation import NOT_FOR_A_COORDINATOR, JoinLimits, frame_tag
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, serve
 from commd.daemon.handover import BufferSocket
@@ -257,6 +257,10 @@ class Daemon:
             self._peer_guard.refused("peer message of several frames", f"{len(frames)} frames")
             return
         node, frame = frames
+        if frame_tag(frame) in NOT_FOR_A_COORDINATOR:  # before the body is decoded
+            self._peer_guard.refused("peer message a coordinator does not take",
+                                     f"{len(frame)} bytes")
+            return
         try:
             message = peer_codec.decode(frame)
         except ProtocolViolation as exc:

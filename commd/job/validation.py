@@ -21,6 +21,7 @@ from commd_protocol.dtypes import itemsize
 from commd_protocol.limits import (
     MAX_BYTE_OFFSET,
     MAX_DEVICE_INDEX,
+    MAX_LOCAL_RANKS,
     MAX_PID,
     MAX_PORT,
     MAX_RANKS,
@@ -30,6 +31,8 @@ from commd_protocol.limits import (
 
 SELECTIONS = ("", "forced", "exploring", "measuring", "measured")  # PeerPlan.selection
 MAX_CANDIDATES = 8
+MAX_ADDRESS_CHARS = 300  # HOST:PORT: a DNS name (255), brackets, a colon and a port
+MAX_PLAN_TEXT = 4096  # a plan's reason and search state: kept for status, shown on every call
 
 
 def check_hello(hello: Hello) -> None:
@@ -46,11 +49,16 @@ def check_hello(hello: Hello) -> None:
         raise JobError(f"pid {hello.pid} is not a process id (0: not given)")
     if not 0 <= hello.rank < hello.world_size:
         raise JobError(f"rank {hello.rank} is outside world size {hello.world_size}")
+    if hello.local_world_size > MAX_LOCAL_RANKS:
+        raise JobError(f"local world size {hello.local_world_size} is over the {MAX_LOCAL_RANKS} "
+                       "ranks one daemon serves")
     if not 0 <= hello.local_rank < hello.local_world_size <= hello.world_size:
         raise JobError(
             f"local rank {hello.local_rank} / local world size {hello.local_world_size} "
             f"do not fit world size {hello.world_size}"
         )
+    if len(hello.coordinator) > MAX_ADDRESS_CHARS:  # before parsing it, or echoing it back
+        raise JobError(f"coordinator must be HOST:PORT, got {len(hello.coordinator)} characters")
     try:
         split_host_port(hello.coordinator)
     except ValueError:
@@ -136,6 +144,8 @@ def plan_problem(plan: PeerPlan, layers: int) -> str:
         return f"unknown exchanges {unknown}"
     if not (math.isfinite(plan.ratio) and 0 <= plan.ratio <= 1):
         return f"top-k ratio {plan.ratio}"
+    if len(plan.reason) > MAX_PLAN_TEXT or len(plan.search) > MAX_PLAN_TEXT:
+        return f"reason and search must be at most {MAX_PLAN_TEXT} characters (shown in status)"
     if plan.selection not in SELECTIONS:
         return f"exchange selection {plan.selection[:40]!r}"
     if len(plan.candidates) > MAX_CANDIDATES or any(

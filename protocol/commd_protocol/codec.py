@@ -40,7 +40,6 @@ class Codec(Generic[T]):
 
     def __init__(self, union: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(union)
-        self._raw = msgspec.msgpack.Decoder()
         self._tags = _tags_of(union)
         self.max_bytes = max_bytes
 
@@ -58,18 +57,20 @@ class Codec(Generic[T]):
             raise _too_deep() from None
 
     def _explain(self, frame: bytes, exc: msgspec.DecodeError) -> ProtocolViolation:
+        # Only the tag is decoded again, the rest skipped: a 4 MiB map refused at its last
+        # field must not be built a second time just to say so.
         try:
-            raw = self._raw.decode(frame)
+            _skipper.decode(frame)  # well-formed MessagePack? (checked, nothing built)
+            tag = _tag_decoder.decode(frame).type
+        except msgspec.ValidationError:  # MessagePack, but not a map
+            return ProtocolViolation(
+                f"a message must be a map with a 'type' field, got {_kind(frame)}",
+                ErrorCode.MALFORMED,
+            )
         except msgspec.DecodeError:
             return ProtocolViolation(f"not a MessagePack message ({exc})", ErrorCode.MALFORMED)
         except RecursionError:
             return _too_deep()
-        if not isinstance(raw, dict):
-            return ProtocolViolation(
-                f"a message must be a map with a 'type' field, got {type(raw).__name__}",
-                ErrorCode.MALFORMED,
-            )
-        tag = raw.get("type")
         if tag is None:
             return ProtocolViolation("message is missing its 'type' field", ErrorCode.MALFORMED)
         if not isinstance(tag, str) or tag not in self._tags:
@@ -80,6 +81,28 @@ class Codec(Generic[T]):
             )
         # msgspec names the offending field, e.g. "Expected `int`, got `str` - at `$.rank`".
         return ProtocolViolation(f"bad {tag!r} message: {exc}", ErrorCode.MALFORMED, ref=str(tag))
+
+
+class _Tagged(msgspec.Struct, forbid_unknown_fields=False):
+    type: Any = None
+
+
+_tag_decoder = msgspec.msgpack.Decoder(_Tagged)
+_skipper = msgspec.msgpack.Decoder(msgspec.Raw)
+
+
+def _kind(frame: bytes) -> str:
+    """The Python type a MessagePack value decodes to, from its first byte (not a map)."""
+    first = frame[0]
+    if first <= 0x7F or first >= 0xE0 or 0xCC <= first <= 0xD3:
+        return "int"
+    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
+        return "list"
+    if 0xA0 <= first <= 0xBF or 0xD9 <= first <= 0xDB:
+        return "str"
+    kinds = {0xC0: "NoneType", 0xC2: "bool", 0xC3: "bool", 0xC4: "bytes", 0xC5: "bytes",
+             0xC6: "bytes", 0xCA: "float", 0xCB: "float"}
+    return kinds.get(first, "ExtType")
 
 
 def _too_deep() -> ProtocolViolation:

@@ -15,6 +15,10 @@ from __future__ import annotations
 # built so far; keeping rank lists of this size linear to check is the coordinator's job.
 MAX_RANKS = 2**20
 
+# Ranks on one node: a daemon serves at most 4096 sessions (commd.daemon.sessions), so a node
+# never has more ranks than this; a join or heartbeat listing more is not from a daemon.
+MAX_LOCAL_RANKS = 4096
+
 # Iterations, report rounds, plan versions and engine generations only ever count up by one.
 # 2**53 is exact in float64 (comm rows carry the iteration as a float) and leaves room for the
 # coordinator's ``iteration + 1 + DECISION_LAG`` in int64: at a million iterations a second

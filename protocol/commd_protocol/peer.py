@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import heapq
+from typing import Annotated
 
 import msgspec
 
+from .limits import MAX_LOCAL_RANKS
 from .messages import Layer, _Msg
 
 # Report rounds: every REPORT_EVERY iterations each node sends a PeerProfile; the coordinator
@@ -114,7 +116,8 @@ class PeerHeartbeat(_Msg, tag="peer_heartbeat"):
     iteration: int = 0  # the iteration the node's pipeline is in
     waiting_s: float = 0.0  # how long it has waited for marks of its local ranks (0: not)
     # [rank, first layer it has not marked] per local rank the node waits for
-    missing: list[list[int]] = msgspec.field(default_factory=list)
+    missing: Annotated[list[list[int]], msgspec.Meta(max_length=MAX_LOCAL_RANKS)] = \
+        msgspec.field(default_factory=list)
     wire_s: float = 0.0  # how long its current collective has been on the wire (0: none)
 
 
