@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,6 +21,7 @@ import msgspec
 from commd.coordinator.replanner import Decision, Replanner
 from commd.coordinator.validation import (
     JoinLimits,
+    comm_problem,
     heartbeat_problem,
     join_problem,
     profile_problem,
@@ -91,11 +93,28 @@ MAX_FORMING = 256  # jobs forming on this coordinator at a time
 MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
 
 
+def _checked_decision(replanner: Replanner, reports: list[PeerProfile],
+                      around: Callable[[], AbstractContextManager[object]]) -> Decision | str:
+    """The round's plan, or what is wrong with a report's comm rows (checked here, with the
+    planning, where their cost does not hold the event loop); inside ``around()``."""
+    with around():
+        for report in reports:
+            problem = comm_problem(report)
+            if problem:
+                return problem
+        return replanner.decide(reports)
+
+
 class Coordinator:
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
                  deadlines: Deadlines = Deadlines(), limits: JoinLimits | None = None,
-                 plan_in_thread: bool = False) -> None:
+                 plan_in_thread: bool = False,
+                 while_planning: Callable[[], AbstractContextManager[object]] = nullcontext,
+                 ) -> None:
         self._deadlines = deadlines
+        # The daemon pauses the cyclic collector while a plan is decided: the planning's
+        # allocations would start collections over the whole heap, holding the loop meanwhile.
+        self._while_planning = while_planning
         # plan_in_thread: decide plans off the event loop (the daemon); else in the call
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="commd-planner") \
             if plan_in_thread else None
@@ -222,7 +241,8 @@ class Coordinator:
         if len(round_reports) < len(formation.joins):
             return
         del formation.reports[profile.round]
-        work = functools.partial(formation.replanner.decide, list(round_reports.values()))
+        work = functools.partial(_checked_decision, formation.replanner,
+                                 list(round_reports.values()), self._while_planning)
         if self._planner is None:
             self._decided(formation, profile.round, work())
             return
@@ -232,7 +252,7 @@ class Coordinator:
         future.add_done_callback(functools.partial(self._planned, formation, profile.round))
 
     def _planned(self, formation: Formation, round_number: int,
-                 future: asyncio.Future[Decision]) -> None:
+                 future: asyncio.Future[Decision | str]) -> None:
         if future.cancelled() or self._jobs.get(formation.job) is not formation:
             return  # the job ended while it was planned
         problem = future.exception()
@@ -243,7 +263,12 @@ class Coordinator:
             return
         self._decided(formation, round_number, future.result())
 
-    def _decided(self, formation: Formation, round_number: int, decision: Decision) -> None:
+    def _decided(self, formation: Formation, round_number: int,
+                 decision: Decision | str) -> None:
+        if isinstance(decision, str):
+            self._abort_all(formation, ErrorCode.INVALID,
+                            f"a node's report is refused: {decision}")
+            return
         if decision.reason != "no drift":
             log.info("job %s plan v%d from iteration %d: %d groups (%s)", formation.job,
                      decision.version, decision.effective_iteration, len(decision.groups),

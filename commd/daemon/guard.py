@@ -9,10 +9,13 @@ the log. ``counts`` is what status and metrics can show.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import sys
+import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -53,15 +56,56 @@ class Guard:
         walk them (and the daemon's whole heap) again and again, many times the decode's own
         cost. Freed before it is back, they cost it nothing; what the frame keeps (a join)
         is collected later, once."""
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            function(*args)
-        except Exception as exc:
-            self.failed(exc, where)
-        finally:
-            if collecting:
+        with collector_paused():
+            try:
+                function(*args)
+            except Exception as exc:
+                self.failed(exc, where)
+
+
+_pause = threading.Lock()
+_pausing = 0  # callers inside collector_paused(), on any thread
+_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic collector off while the block runs, on every thread (it is one per
+    process): a frame being handled, a plan being decided (its thread). It comes back when
+    the last such block ends, as it was before the first."""
+    global _pausing, _was_enabled
+    with _pause:
+        if _pausing == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pausing += 1
+    try:
+        yield
+    finally:
+        with _pause:
+            _pausing -= 1
+            if _pausing == 0 and _was_enabled:
                 gc.enable()
+
+
+# While a plan is decided on its thread, the loop gets the interpreter back within this:
+# Python hands it between threads every 5 ms by default, and a status answer takes it
+# several times.
+PLANNING_SWITCH_S = 0.0005
+
+
+@contextlib.contextmanager
+def planning_aside() -> Iterator[None]:
+    """Around CPU-bound Python on a thread beside the loop (the coordinator's planning): the
+    collector paused (``collector_paused``) and the interpreter handed back to the loop
+    within PLANNING_SWITCH_S. One such thread at a time (the coordinator has one)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, PLANNING_SWITCH_S))
+    try:
+        with collector_paused():
+            yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 async def serve(guard: Guard, receive: Callable[[], Awaitable[T]],

@@ -25,7 +25,7 @@ from commd.compression import native
 from commd.coordinator.coordinator import Coordinator, Deadlines
 from commd.coordinator.validation import NOT_FOR_A_COORDINATOR, JoinLimits, frame_tag
 from commd.daemon import sdnotify
-from commd.daemon.guard import Guard, serve
+from commd.daemon.guard import Guard, planning_aside, serve
 from commd.daemon.handover import BufferSocket
 from commd.daemon.job_factory import JobFactory
 from commd.daemon.peer_links import PeerLinks
@@ -86,7 +86,7 @@ class Daemon:
             form_s=settings.timeout_s, peer_s=settings.peer_timeout_s,
             stall_warn_s=settings.stall_warn_s, stall_s=settings.stall_timeout_s),
             JoinLimits(max_layers=settings.max_layers, max_job_bytes=settings.max_job_bytes),
-            plan_in_thread=True)
+            plan_in_thread=True, while_planning=planning_aside)
         self._security = PeerSecurity()  # the cluster key and who may connect
         self._metrics: Metrics | None = None  # --metrics-listen (docs/metrics.md)
         self._client_guard = Guard("client")
