@@ -606,3 +606,28 @@ def test_the_nesting_limit_does_not_depend_on_the_stack_depth() -> None:
     frame = nested_goodbye(low)
     assert isinstance(decoded(frame), Goodbye)
     assert isinstance(decoded_deeper(frame, 20), Goodbye), f"nested {low} deep"
+
+
+@pytest.mark.timeout(400)
+def test_the_worst_frame_mode_runs_and_checks_itself(tmp_path: Any) -> None:
+    """`bench/fuzz.py --worst`, small: every type's worst frames get typed answers, the daemon
+    lives and a 2-node job is exact afterwards (the timing limit is the bench's to judge on a
+    quiet machine: here it is set out of reach, so only a hang or a wrong answer fails)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parents[1] / "bench" / "fuzz.py"
+    out = tmp_path / "worst.json"
+    done = subprocess.run([sys.executable, str(bench), "--worst", "--max-layers", "256",
+                           "--window", "0.2", "--limit-ms", "60000", "--json", str(out)],
+                          capture_output=True, text=True, timeout=360)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    types = {row["type"] for row in result["rows"]}
+    assert types >= {"hello", "register", "ready", "wait", "status", "trace", "goodbye",
+                     "peer_join", "peer_profile", "peer_heartbeat", "peer_leave", "peer_abort",
+                     "peer_setup", "peer_plan", "peer_status"}, types
+    assert all(check["ok"] for check in result["checks"]), result["checks"]
+    assert not any(row["untyped"] for row in result["rows"])
