@@ -315,7 +315,7 @@ async def test_frames_past_what_any_node_sends_are_dropped_before_they_are_built
     assert reply["type"] == "peer_plan" and reply["round"] == 0, reply  # the job went on
     counts = daemon._peer_guard.counts
     assert counts["bad peer message (malformed)"] == 1, counts
-    assert counts["peer message a coordinator does not take"] == 1, counts
+    assert counts["bad peer message (not for a coordinator)"] == 1, counts
     assert failures(daemon) == {}
 
 

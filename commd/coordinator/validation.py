@@ -49,13 +49,14 @@ class _Tagged(msgspec.Struct, forbid_unknown_fields=False):
 _tag_decoder = msgspec.msgpack.Decoder(_Tagged)
 
 
-def frame_tag(frame: bytes) -> object:
-    """A frame's ``type`` as sent, read without decoding the rest (skipped, not built); None
-    when the frame is no map (its full decode says why)."""
+def frame_tag(frame: bytes) -> str | None:
+    """A frame's ``type``, read without decoding the rest (skipped, not built); None when it
+    is no map or its type no string (its full decode says why)."""
     try:
-        return _tag_decoder.decode(frame).type
+        tag = _tag_decoder.decode(frame).type
     except (msgspec.DecodeError, RecursionError):
         return None
+    return tag if isinstance(tag, str) else None
 
 
 @dataclass(frozen=True)

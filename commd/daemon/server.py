@@ -258,7 +258,7 @@ class Daemon:
             return
         node, frame = frames
         if frame_tag(frame) in NOT_FOR_A_COORDINATOR:  # before the body is decoded
-            self._peer_guard.refused("peer message a coordinator does not take",
+            self._peer_guard.refused("bad peer message (not for a coordinator)",
                                      f"{len(frame)} bytes")
             return
         try:
