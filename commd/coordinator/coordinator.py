@@ -7,6 +7,8 @@ clients name it (the daemon on rank 0's node), so no election is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import functools
 import logging
 import secrets
@@ -91,6 +93,13 @@ class Deadlines:
 STATUS_EVERY_S = 2.0  # PeerStatus to every node of every job: liveness, joined ranks, stall
 MAX_FORMING = 256  # jobs forming on this coordinator at a time
 MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
+
+
+def _give_back_memory() -> None:
+    """Hand freed heap pages back to the kernel: the joins of jobs that expired while forming
+    (up to --max-layers layers each) are freed together, and glibc would keep the pages."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _checked_decision(replanner: Replanner, reports: list[PeerProfile],
@@ -320,12 +329,16 @@ class Coordinator:
 
     def tick(self, now: float) -> None:
         """Every second: deadlines, silent nodes, stalls, and every node's ``PeerStatus``."""
+        expired = False
         for formation in list(self._jobs.values()):
             problem, code = self._overdue(formation, now)
             if problem:
                 self._abort_all(formation, code, problem)
+                expired = True
                 continue
             self._tell_status(formation, now)
+        if expired:
+            _give_back_memory()
 
     def _overdue(self, formation: Formation, now: float) -> tuple[str, ErrorCode]:
         limits, joined = self._deadlines, formation.joins
