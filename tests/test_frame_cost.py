@@ -391,3 +391,19 @@ def test_after_the_worst_frames_a_two_node_job_is_exact(
             assert all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want, strict=True))
     log = coordinator.log()
     assert "the loop goes on" not in log and "Traceback" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize(("world", "joined", "missing"), [
+    (MAX_RANKS, [], list(range(21))),
+    (MAX_RANKS, list(range(1, MAX_LOCAL_RANKS)),
+     [0, *range(MAX_LOCAL_RANKS, MAX_LOCAL_RANKS + 20)]),
+    (10, [0, 2, 3, 7], [1, 4, 5, 6, 8, 9]),
+    (5, [0, 1, 2, 3, 4], []),
+])
+def test_a_joining_jobs_progress_names_its_missing_ranks_from_the_gaps(
+        world: int, joined: list[int], missing: list[int]) -> None:
+    """A rank may say world 2**20: its job's progress message, built every tick while it
+    joins, looks at the ranks joined, not at every rank of the world."""
+    from commd.job.liveness import first_missing
+
+    assert first_missing(world, joined, 21) == missing

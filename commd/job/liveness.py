@@ -97,6 +97,19 @@ def local_waiting_for(job: Job) -> str:
         for local, layer in missing])
 
 
+def first_missing(world_size: int, joined: list[int], limit: int) -> list[int]:
+    """The first ``limit`` ranks below ``world_size`` not in ``joined`` (sorted, distinct),
+    found in the gaps between joined ranks: the work is in the ranks joined, not the world."""
+    missing: list[int] = []
+    expect = 0
+    for rank in [*joined, world_size]:
+        missing.extend(range(expect, min(rank, expect + limit - len(missing))))
+        if len(missing) >= limit:
+            break
+        expect = rank + 1
+    return missing
+
+
 def progress_message(job: Job) -> str:
     """What the job waits for, in words, for its waiting ranks."""
     name = f"commd: job {job.id!r}"
@@ -107,9 +120,10 @@ def progress_message(job: Job) -> str:
         return (f"{name} forms on this node: local ranks {registered} of "
                 f"{job.local_world_size} registered, waiting for local ranks {waiting}")
     if job.state is JobState.JOINING:
-        missing = sorted(set(range(job.world_size)) - set(job.liveness.joined))
+        joined = sorted({r for r in job.liveness.joined if 0 <= r < job.world_size})
+        missing = first_missing(job.world_size, joined, 21)  # not range(world): up to 2**20
         return (f"{name} waits for the other nodes at the coordinator {job.coordinator}: "
-                f"{job.world_size - len(missing)} of {job.world_size} ranks joined, waiting "
+                f"{len(joined)} of {job.world_size} ranks joined, waiting "
                 f"for ranks {missing[:20]}{' …' if len(missing) > 20 else ''}")
     if job.state is JobState.STARTING:
         return f"{name} is starting: engine set-up and network probe"
