@@ -21,7 +21,8 @@ What runs (docs/reliability.md says more):
   request as a barrier; every reply must decode as a daemon message, an ``error`` must carry
   a known code and a "commd: " message, and outside running jobs every frame must get exactly
   one reply (none for a goodbye that ends a session).
-- **peer** (``u0``, no key): ``--frames`` frames from raw DEALERs to the peer port, in batches
+- **peer** (``u0``, no ``--cluster-key``): ``--frames`` frames from raw DEALERs to the peer
+  port, holding the local key ``u0`` made beside its socket (a member node's view), in batches
   closed by a join the coordinator must refuse to us (its ``peer_abort`` is the barrier);
   whatever comes back must decode as a peer message.
 - **keyed peer** (``k0``): ``--frames`` frames from attackers without the key: raw TCP
@@ -58,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +72,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import finish, start_json_worker
 from commd_client.host_buffer import HostBuffer
@@ -730,6 +733,20 @@ def peer_barrier(sock: zmq.Socket[bytes], number: int, side: Side, findings: Fin
             findings.add("peer_abort without 'commd: '", sent, message)
 
 
+def peer_socket(context: zmq.Context[zmq.Socket[bytes]], daemon: LocalDaemon) -> Any:
+    """A peer daemon's DEALER to ``daemon``'s peer port: CurveZMQ with the local key beside
+    its socket when it has one (an unkeyed daemon's automatic key), so the frames reach the
+    coordinator as a member node's would; plain otherwise."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    key = Path(daemon.socket).parent / "cluster.key"
+    if key.exists():
+        pair = tomllib.loads(key.read_text())
+        connect_securely(sock, ClusterKey(pair["public"].encode(), pair["secret"].encode()))
+    sock.connect(f"tcp://{daemon.address}")
+    return sock
+
+
 def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeout_s: float,
               findings: Findings, context: zmq.Context[zmq.Socket[bytes]],
               progress: Callable[[str], None]) -> Side:
@@ -740,9 +757,7 @@ def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeo
     barriers = 0
     oversize_sent = 0
     while side.frames < total:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{daemon.address}")
+        sock = peer_socket(context, daemon)
         length = min(rng.randint(16, 600), total - side.frames)
         try:
             while length > 0:
@@ -777,9 +792,7 @@ def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeo
         side.notes.append(f"{oversize_sent} frame(s) over the peer frame cap (connection ended)")
     # the peer loop still serves a new connection
     if daemon.process.poll() is None and not side.crashes and not side.dead_loops:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{daemon.address}")
+        sock = peer_socket(context, daemon)
         try:
             peer_barrier(sock, barriers + 1, side, findings, timeout_s, [])
         except Gone:
@@ -1044,7 +1057,7 @@ def main() -> int:
         print(f"[fuzz] {text} ({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
 
     try:
-        key = workdir / "cluster.key"
+        key = workdir / "keyed-cluster.key"  # k0, k1; u0 and u1 make their local key
         made = subprocess.run([sys.executable, "-m", "commd.cli", "keygen", str(key)],
                               capture_output=True, text=True, timeout=60)
         if made.returncode != 0:
