@@ -62,7 +62,7 @@ async def test_bad_device_fields_are_named(daemon: Daemon, connect: Any) -> None
         ({"device": "tpu"}, "unsupported device 'tpu'; use one of cpu, cuda"),
         ({"ipc_handle": b"short"}, "ipc_handle must be 64 bytes (cudaIpcMemHandle_t), got 5"),
         ({"event_handle": b""}, "event_handle must be 64 bytes"),
-        ({"ipc_offset": -8}, "ipc_offset must be >= 0"),
+        ({"ipc_offset": -8}, "ipc_offset -8 is outside 0..2**48"),
         ({"device_bus_id": ""}, "needs device_bus_id"),
         ({"compression": "topk:0.01"}, "top-k compression needs host buffers"),
         ({"device": "cpu"}, "a host buffer needs buffer_token"),
