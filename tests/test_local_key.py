@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from commd.cli.status import query
+from commd.cli.trace import request_traces
 from commd.daemon.handshakes import REASONS, HandshakeCounts
 from commd.daemon.key_files import (
     MAX_KEY_FILE_BYTES,
@@ -449,10 +450,29 @@ def test_a_socket_this_user_may_not_open_is_reported_as_permission_denied(
     try:
         client = as_stranger(lambda: str(Connection(node.socket)))
         status = as_stranger(lambda: str(query(node.socket, timeout_s=2)))
+        trace = as_stranger(lambda: str(request_traces([node.socket], "j", 1, 2.0)))
         key = as_stranger(lambda: Path(local_key_path(node.socket)).read_text())
     finally:
         node.stop()
-    for said in (client, status):
+    for said in (client, status, trace):
         assert "commd: permission denied on the daemon socket" in said, said
         assert "mode 0660" in said and f"uid {STRANGER_UID}" in said, said
     assert key.startswith("PermissionError"), "a stranger read the local key"
+
+
+def test_a_socket_in_a_directory_this_user_may_not_enter_is_permission_denied(
+        shared_dir: Path) -> None:
+    """A socket in a directory the user may not search (0700, like a daemon's runtime
+    directory) looked absent: "no daemon socket". It is there; the user may not reach it."""
+    private = shared_dir / "private"
+    private.mkdir(mode=0o700)
+    node = LocalDaemon(private, "hidden", "--backend", "gloo")
+    try:
+        said = [as_stranger(lambda: str(Connection(node.socket))),
+                as_stranger(lambda: str(query(node.socket, timeout_s=2))),
+                as_stranger(lambda: str(request_traces([node.socket], "j", 1, 2.0)))]
+    finally:
+        node.stop()
+    for line in said:
+        assert f"commd: permission denied on the directory {private} " in line, line
+        assert "no daemon socket" not in line, line

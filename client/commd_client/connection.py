@@ -21,7 +21,7 @@ from commd_protocol import (
 )
 from commd_protocol.codec import daemon_codec
 from commd_protocol.messages import Progress
-from commd_protocol.reach import permission_problem
+from commd_protocol.reach import unreachable
 
 _POLL_SLICE_MS = 200
 # The daemon sends a waiting rank a ``progress`` every 2 s: this much silence means it stopped.
@@ -36,13 +36,11 @@ class Connection:
     """DEALER socket to the daemon's ROUTER; a socket monitor reports a lost daemon."""
 
     def __init__(self, socket_path: str) -> None:
-        if not os.path.exists(socket_path):  # at once, not after a hello timeout
-            raise CommdError(f"commd: no daemon socket at {socket_path}; is `commd run` "
-                             "running there? (COMMD_SOCKET names another path)",
-                             ErrorCode.RANK_LOST)
-        denied = permission_problem(socket_path)  # else it would look like a silent daemon
-        if denied:
-            raise CommdError(denied, ErrorCode.RANK_LOST)
+        # At once, not after a hello timeout; permission denied would look like a silent daemon.
+        problem = unreachable(socket_path, "is `commd run` running there? (COMMD_SOCKET names "
+                              "another path)")
+        if problem:
+            raise CommdError(problem, ErrorCode.RANK_LOST)
         self.socket_path = socket_path
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)

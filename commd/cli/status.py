@@ -19,7 +19,7 @@ from commd_protocol import (
     encode,
 )
 from commd_protocol.codec import daemon_codec
-from commd_protocol.reach import permission_problem
+from commd_protocol.reach import unreachable
 from commd_protocol.status import DaemonStatus, JobStatus, read_status
 
 
@@ -29,11 +29,9 @@ class NoDaemon(Exception):
 
 def query(socket_path: str, timeout_s: float = 3.0) -> dict[str, Any]:
     """The daemon's status object; NoDaemon with a one-line reason when none answers."""
-    if not os.path.exists(socket_path):
-        raise NoDaemon(f"commd: no daemon socket at {socket_path}; is `commd run` running?")
-    denied = permission_problem(socket_path)  # not "no daemon answered": it may be there
-    if denied:
-        raise NoDaemon(denied)
+    problem = unreachable(socket_path)  # permission denied is not "no daemon answered"
+    if problem:
+        raise NoDaemon(problem)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -29,6 +29,7 @@ from commd_protocol import (
     encode,
 )
 from commd_protocol.codec import daemon_codec
+from commd_protocol.reach import unreachable
 
 # Rows of each node, top to bottom (a newer daemon's other rows follow).
 ROWS = ("iteration", "plan", "ready", "local sum", "compression", "wire", "write back")
@@ -47,8 +48,9 @@ def request_traces(sockets: list[str], job: str, iterations: int,
                    timeout_s: float) -> list[TraceReply]:
     """Ask every daemon at once for the job's next ``iterations``; their replies, in order."""
     for path in sockets:
-        if not os.path.exists(path):
-            raise TraceFailed(f"commd: no daemon socket at {path}; is `commd run` running?")
+        problem = unreachable(path)
+        if problem:
+            raise TraceFailed(problem)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     dealers = [context.socket(zmq.DEALER) for _ in sockets]
     try:

@@ -16,9 +16,38 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["permission_problem"]
+__all__ = ["permission_problem", "unreachable"]
 
 _PROBE_S = 2.0  # a daemon too busy to accept at once is ZeroMQ's to wait for, not ours
+
+
+def unreachable(path: str, hint: str = "is `commd run` running?") -> str:
+    """'' when ``path`` is a socket this process may connect to, else the one "commd: " line
+    saying why not: no socket there (``hint`` says what to check), or permission denied —
+    also when a directory on the way may not be searched, which makes the socket look absent
+    to this user (the default /run/commd is the daemon's)."""
+    if not os.path.exists(path):
+        closed = _closed_directory(path)
+        if closed:
+            return (f"commd: permission denied on the directory {closed} of the daemon socket "
+                    f"{path}: this user (uid {os.geteuid()}) may not look inside it; ask to be "
+                    "added to its group, or run as its user")
+        return f"commd: no daemon socket at {path}; {hint}"
+    return permission_problem(path)
+
+
+def _closed_directory(path: str) -> str:
+    """The first directory on the way to ``path`` that this user may not search ('': none;
+    the path is then simply absent)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    parts = folder.split(os.sep)[1:]
+    for depth in range(len(parts) + 1):
+        ancestor = os.sep + os.sep.join(parts[:depth])
+        if not os.path.isdir(ancestor):
+            return ""
+        if not os.access(ancestor, os.X_OK):
+            return ancestor
+    return ""
 
 
 def permission_problem(path: str) -> str:
