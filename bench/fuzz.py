@@ -75,6 +75,7 @@ from zmq.utils.monitor import recv_monitor_message
 from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import finish, start_json_worker
+from commd.testing.provenance import provenance
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     DTYPES,
@@ -1141,7 +1142,8 @@ def main() -> int:
             print(f"- {findings.count} finding(s), frames as hex: {findings.path}")
         if args.json:
             Path(args.json).write_text(json.dumps({
-                "seed": args.seed, "frames": args.frames, "batch": args.batch, "wall_s": wall,
+                **provenance(), "seed": args.seed, "frames": args.frames, "batch": args.batch,
+                "wall_s": wall,
                 "sides": [{**{k: v for k, v in vars(s).items() if k != "replies"},
                            "replies": dict(s.replies)} for s in sides],
                 "rss_start_mb": rss_start, "rss_fuzzed_mb": rss_fuzzed, "rss_end_mb": rss_end,
@@ -1210,7 +1212,7 @@ def worst_mode(args: argparse.Namespace) -> int:
             print(f"- w0 log: {line[:300]}")
         if args.json:
             Path(args.json).write_text(json.dumps({
-                "max_layers": args.max_layers, "window_s": args.window,
+                **provenance(), "max_layers": args.max_layers, "window_s": args.window,
                 "rows": [vars(row) for row in rows],
                 "checks": [{"check": n, "ok": ok, "value": v} for n, ok, v in checks],
             }, indent=1))

@@ -23,10 +23,12 @@ import zmq.asyncio
 
 from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.daemon.server import Daemon
+from commd.daemon.settings import SettingsError, load
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.limits import MAX_COUNT, MAX_LOCAL_RANKS, MAX_RANKS
+from commd_protocol.limits import MAX_LAYERS as PROTOCOL_MAX_LAYERS
 
 from inprocess import RawClient, coordinator_of, hand_over, still_serving
 from ranks import JobSpec, collect, expected, start_ranks
@@ -135,6 +137,38 @@ async def test_a_costly_ready_is_refused_at_once_and_status_still_answers(
     finally:
         buffer.close()
     assert failures(daemon) == {}
+
+
+async def test_a_ready_past_the_protocols_layer_bound_is_refused_from_its_header(
+        daemon: Daemon, connect: Any) -> None:
+    """A ready of more layers than any job may have (2**20) is refused from the array's
+    header, before its elements are built (a 4 MiB frame holds four million one-byte
+    integers); the rank's job goes on."""
+    client = connect()
+    buffer = await running_rank(daemon, client, "bound")
+    try:
+        for field in ("layers", "stamps"):
+            too_many = PROTOCOL_MAX_LAYERS + 1
+            frame: dict[str, Any] = {"type": "ready", "layers": [0] * too_many}
+            if field == "stamps":
+                frame = {"type": "ready", "layers": [0], "stamps": [0] * too_many}  # one byte each
+            reply = await client.ask(frame)
+            assert reply["type"] == "error" and reply["code"] == "malformed", reply
+            assert f"length <= {PROTOCOL_MAX_LAYERS}" in reply["message"], reply
+            assert f"$.{field}" in reply["message"], reply
+        await client.send({"type": "ready", "layers": [3, 2, 1, 0]})  # nothing was marked
+        done = await client.ask({"type": "wait", "iteration": 0})
+        assert done["type"] == "done" and done["iteration"] == 0, done
+    finally:
+        buffer.close()
+    assert failures(daemon) == {}
+
+
+def test_max_layers_may_not_exceed_the_protocols_bound() -> None:
+    bound = PROTOCOL_MAX_LAYERS
+    assert load(environ={"COMMD_MAX_LAYERS": str(bound)}).max_layers == bound
+    with pytest.raises(SettingsError, match=r"max_layers must be at most 1048576"):
+        load(environ={"COMMD_MAX_LAYERS": str(bound + 1)})
 
 
 async def test_duplicates_within_the_job_size_are_named_briefly(daemon: Daemon,

@@ -631,3 +631,4 @@ def test_the_worst_frame_mode_runs_and_checks_itself(tmp_path: Any) -> None:
                      "peer_setup", "peer_plan", "peer_status"}, types
     assert all(check["ok"] for check in result["checks"]), result["checks"]
     assert not any(row["untyped"] for row in result["rows"])
+    assert "--worst" in result["command"] and result["machine"]["cpus"] >= 1, result  # data

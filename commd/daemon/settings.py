@@ -19,6 +19,7 @@ from typing import Any
 
 from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET
 from commd_protocol.address import split_host_port as split_address
+from commd_protocol.limits import MAX_LAYERS
 
 BACKENDS = ("auto", "gloo", "nccl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -230,6 +231,9 @@ def _validate(settings: Settings) -> None:
     for name in ("max_layers", "max_job_bytes"):
         if getattr(settings, name) < 1:
             raise SettingsError(f"commd: {name} must be at least 1, got {getattr(settings, name)}")
+    if settings.max_layers > MAX_LAYERS:  # the protocol's own bound on a ready's layers
+        raise SettingsError(f"commd: max_layers must be at most {MAX_LAYERS} (2**20), got "
+                            f"{settings.max_layers}")
     from commd.plan import get_planner  # pure and light; validates the planner name
 
     try:

@@ -15,6 +15,11 @@ from __future__ import annotations
 # built so far; keeping rank lists of this size linear to check is the coordinator's job.
 MAX_RANKS = 2**20
 
+# Layers of one job: --max-layers may not exceed it (commd.daemon.settings). A ``ready`` lists
+# each layer at most once, so its lists are bounded by it from the array's header, before any
+# element is decoded: a 4 MiB ready of one-byte integers would otherwise build four million.
+MAX_LAYERS = 2**20
+
 # Ranks on one node: a daemon serves at most 4096 sessions (commd.daemon.sessions), so a node
 # never has more ranks than this; a join or heartbeat listing more is not from a daemon.
 MAX_LOCAL_RANKS = 4096

@@ -7,7 +7,11 @@ keeps working against a newer daemon.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+from .limits import MAX_LAYERS
 
 PROTOCOL_VERSION = 2  # 2: host buffers are handed over as file descriptors, never named
 
@@ -64,12 +68,14 @@ class Register(_Msg, tag="register"):
 
 
 class Ready(_Msg, tag="ready"):
-    layers: list[int]  # forward-order indices whose gradients are final for this iteration
+    # forward-order indices whose gradients are final for this iteration (each at most once)
+    layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
     sent_at: float = 0.0  # the client's CLOCK_MONOTONIC seconds at sending (0: not given);
     # the daemon measures ready-to-launch latency from it (same host, same clock)
-    stamps: list[float] = []  # CLOCK_MONOTONIC seconds at which each layer became ready, in
-    # the order of ``layers`` (empty: when the daemon received it). Clients batch their ready
-    # marks until a group of the plan is complete; the stamps keep the profile per layer.
+    # CLOCK_MONOTONIC seconds at which each layer became ready, in the order of ``layers``
+    # (empty: when the daemon received it). Clients batch their ready marks until a group of
+    # the plan is complete; the stamps keep the profile per layer.
+    stamps: Annotated[list[float], msgspec.Meta(max_length=MAX_LAYERS)] = []
 
 
 class Wait(_Msg, tag="wait"):
