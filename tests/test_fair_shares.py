@@ -24,14 +24,17 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from commd.cli.status import render
 from commd.daemon import handover, shares
 from commd.daemon.server import Daemon
 from commd.daemon.shares import Cap, Shares, peer_uid
 from commd.testing.daemons import LocalDaemon
 from commd_client import CommdError
 from commd_client.host_buffer import HostBuffer
+from commd_protocol.status import read_status, status_map
 
 from inprocess import RawClient, coordinator_of, hello, still_serving
 
@@ -342,6 +345,27 @@ async def test_a_shares_count_follows_goodbyes(daemon: Daemon, connect: Any) -> 
         await still_serving(client)
     assert (sessions.sessions_share.total, sessions.jobs_share.total) == (0, 0)
     assert daemon.jobs == {}
+
+
+async def test_status_shows_each_users_share(daemon: Daemon, connect: Any) -> None:
+    """`commd status --json` lists what each uid holds of every capped kind, and the text view
+    names a user near its cap, before it is refused."""
+    clients: list[RawClient] = [connect() for _ in range(2)]
+    for index, client in enumerate(clients):
+        assert (await client.ask(hello(job=f"s{index}")))["type"] == "welcome"
+    travelled = read_status(status_map(daemon.status()))  # as `commd status` reads it
+    by_kind = {share.kind: share for share in travelled.shares}
+    assert set(by_kind) == {"ranks connected", "jobs", "traces running",
+                            "buffers waiting for their register", "open hand-over connections"}
+    assert (by_kind["ranks connected"].held, by_kind["ranks connected"].by_uid) == (2, {"0": 2})
+    assert by_kind["jobs"].per_user == shares.JOBS.per_user
+    assert not [line for line in render(travelled).splitlines() if "near a cap" in line]
+    full = msgspec.structs.replace(by_kind["jobs"], held=2, by_uid={"1000": 2}, per_user=2)
+    lines = render(msgspec.structs.replace(travelled, shares=[full])).splitlines()
+    assert "near a cap: uid 1000 holds 2 of 2 jobs (per user)" in lines, lines
+    for client in clients:
+        await client.send({"type": "goodbye"})
+        await still_serving(client)
 
 
 @pytest.mark.parametrize(("address", "uid"), [

@@ -51,6 +51,24 @@ def query(socket_path: str, timeout_s: float = 3.0) -> dict[str, Any]:
         sock.close(linger=0)
 
 
+NEAR_CAP = 0.8  # a share this full is shown: the next refusals are that user's
+
+
+def near_caps(status: DaemonStatus) -> list[str]:
+    """One line per share the daemon, or one user, holds NEAR_CAP of (docs/security.md's caps):
+    who is about to be refused, before anyone is."""
+    lines = []
+    for share in status.shares:
+        if share.held >= NEAR_CAP * share.per_daemon:
+            lines.append(f"near a cap: the daemon holds {share.held} of {share.per_daemon} "
+                         f"{share.kind}")
+        for uid, held in share.by_uid.items():
+            if uid != "0" and held >= NEAR_CAP * share.per_user:
+                lines.append(f"near a cap: uid {uid} holds {held} of {share.per_user} "
+                             f"{share.kind} (per user)")
+    return lines
+
+
 def render(status: DaemonStatus) -> str:
     lines = [
         f"commd {status.version}  backend {status.backend}  pid {status.pid}  "
@@ -64,6 +82,7 @@ def render(status: DaemonStatus) -> str:
                             in status.peer_handshakes_refused_by.items() if number)
         lines.append(f"peer handshakes refused {status.peer_handshakes_refused}"
                      + (f" ({reasons})" if reasons else ""))
+    lines.extend(near_caps(status))
     if not status.jobs:
         lines.append("no jobs")
         return "\n".join(lines)

@@ -311,6 +311,10 @@ class Daemon:
             peer_handshakes_refused=self._security.refused,
             peer_handshakes_refused_by=self._security.refused_by_reason,
             compression_loops=native.describe(),
+            shares=[share.status() for share in (
+                self._sessions.sessions_share, self._sessions.jobs_share,
+                self._sessions.traces_share, self._buffers.pending_share,
+                self._buffers.connections_share)],
         )
 
     def _metric_counts(self) -> Counts:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from commd_protocol.status import ShareStatus
+
 ROOT_UID = 0
 UNKNOWN_UID = -1  # a peer whose credentials could not be read: one principal of its own
 
@@ -89,6 +91,12 @@ class Shares:
             return (f"{who(uid)} holds {cap.per_user} {cap.noun} already, the most one user may "
                     f"(of {cap.per_daemon} on this daemon); {cap.advice}")
         return ""
+
+    def status(self) -> ShareStatus:
+        """What is held, in all and by uid, for ``commd status``."""
+        return ShareStatus(kind=self.cap.noun, held=self.total, per_daemon=self.cap.per_daemon,
+                           per_user=self.cap.per_user,
+                           by_uid={str(uid): n for uid, n in sorted(self._held.items())})
 
     def take(self, uid: int) -> None:
         self.total += 1

@@ -108,6 +108,16 @@ class CoordinatedJob(_Status):
     world_size: int
 
 
+class ShareStatus(_Status):
+    """What the daemon holds of one capped kind, in all and per local user (docs/security.md)."""
+
+    kind: str  # "ranks connected", "jobs", "traces running", …
+    held: int  # in all
+    per_daemon: int  # the daemon's cap
+    per_user: int  # each user's cap (root: the daemon's only)
+    by_uid: dict[str, int] = {}  # uid (as text; "-1": unreadable) -> how many it holds
+
+
 class DaemonStatus(_Status):
     version: str
     protocol: int
@@ -123,6 +133,7 @@ class DaemonStatus(_Status):
     peer_handshakes_refused_by: dict[str, int] = {}
     # which loops run the top-k path: "compiled[, AVX-512]" or "numpy (why)"; "": older daemon
     compression_loops: str = ""
+    shares: list[ShareStatus] = []  # per-user fair shares ([]: older daemon)
 
 
 def status_map(status: DaemonStatus) -> dict[str, Any]:
