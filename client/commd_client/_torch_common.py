@@ -155,10 +155,22 @@ def broadcast_once(
         broadcaster.close()
 
 
-def broadcast_order(endpoint: Endpoint, order: Sequence[int]) -> list[int]:
-    """Rank 0's list of parameter indices, to every rank."""
+def order_job(endpoint: Endpoint, count: int) -> Broadcaster:
+    """Job ``<job>.order``, formed at construction while every rank is there: a rank that
+    fails in its own code before its first backward then leaves a job the others know
+    (its goodbye or exit fails their ``broadcast_order`` at once), not one they wait to form
+    until the timeout."""
+    return Broadcaster(endpoint, ".order", [("order", torch.zeros(count, dtype=torch.float64))])
+
+
+def broadcast_order(endpoint: Endpoint, order: Sequence[int],
+                    job: Broadcaster | None = None) -> list[int]:
+    """Rank 0's list of parameter indices, to every rank (through ``job`` if formed already)."""
     values = torch.tensor([float(i) for i in order], dtype=torch.float64)
-    broadcast_once(endpoint, ".order", [("order", values)])
+    if job is None:
+        broadcast_once(endpoint, ".order", [("order", values)])
+    else:
+        job.run([("order", values)])
     result = [int(v) for v in values.tolist()]
     if sorted(result) != sorted(order):
         raise CommdError(

@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commd_protocol import CommdError
 
-from ._torch_common import Endpoint, as_tensor, broadcast_order, grad_dtype
+from ._torch_common import Broadcaster, Endpoint, as_tensor, broadcast_order, grad_dtype, order_job
 from ._torch_momentum import MomentumCorrection, StepHook, step_hook_for
 from ._torch_slots import Bucket, Slots
 
@@ -79,6 +79,7 @@ class Reducer:
         self._queued = False
         self._warned = False
         self._failure: BaseException | None = None
+        self._order: Broadcaster | None = None  # job <job>.order until the first backward
         # top-k under the optimizer's own SGD momentum: DGC's correction on this rank (or,
         # with the daemon's momentum, the check that the optimizer keeps none of its own)
         self._step_hook: StepHook | None = step_hook_for(self.params, compression)
@@ -109,6 +110,11 @@ class Reducer:
         if dtype is not None and self.correction is not None:  # the buffers hold the wire's
             self.correction.close()
             self._step_hook = None
+
+    def form_order_job(self) -> None:
+        """Form ``<job>.order`` now, with every rank present (see ``order_job``)."""
+        if self.endpoint.world_size > 1 and self._order is None and not self.registered:
+            self._order = order_job(self.endpoint, len(self.params))
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -248,7 +254,10 @@ class Reducer:
         unseen = [i for i in reversed(range(len(self.params))) if i not in self._observed]
         order = seen + unseen  # ready order, first ready first
         if self.endpoint.world_size > 1:
-            order = broadcast_order(self.endpoint, order)
+            try:
+                order = broadcast_order(self.endpoint, order, self._order)
+            finally:
+                self._close_order()
         by_dtype: dict[str, list[int]] = {}
         for index in order:
             dtype = grad_dtype("", self.wire_dtype) if self.wire_dtype else self.dtypes[index]
@@ -301,6 +310,13 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._close_order()
         for bucket in self._slots.buckets:
             with contextlib.suppress(Exception):
                 bucket.client.close()
+
+    def _close_order(self) -> None:
+        if self._order is not None:
+            with contextlib.suppress(Exception):
+                self._order.close()
+            self._order = None

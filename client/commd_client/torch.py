@@ -20,8 +20,10 @@ What it does, as torch's DDP does:
 - ``no_sync()`` / ``require_backward_grad_sync`` accumulate gradients locally.
 - Parameters that get no gradient are reduced as zeros; with ``find_unused_parameters=False``
   a one-time warning names them (torch would raise).
-- Buffers are broadcast before each training forward (``forward_sync_buffers``).
+- Buffers are broadcast before each training forward (``forward_sync_buffers``), unseen by
+  autograd's version counters, as in torch (a module called twice before one backward).
 - ``join()`` (torch's ``Join``), ``register_comm_hook`` (fp16/bf16 on the wire).
+- ``reducer`` and ``logger``: what Lightning and Accelerate call on torch's (``_torch_surface``).
 
 CUDA models are refused with a CommdError: the GPU path is not available yet. See docs/ddp.md.
 """
@@ -49,6 +51,7 @@ from ._torch_identity import resolve
 from ._torch_join import DdpJoinHook, announce_sync, common_rank, rescale_by_active
 from ._torch_options import TorchOptions, interpret
 from ._torch_reducer import Reducer
+from ._torch_surface import DdpLogger, ReducerSurface
 
 __all__ = ["CommdError", "DistributedDataParallel"]
 
@@ -132,6 +135,9 @@ class DistributedDataParallel(_TorchDDP):
         # Checks every dtype and installs the hooks; no communication yet.
         self._reducer = Reducer(trained, self.endpoint, options.planner, compression)
         self._reducer.warn_unused = not find_unused_parameters
+        # torch's reducer and logger as far as frameworks call them (Lightning, Accelerate)
+        self.reducer = ReducerSurface(self._reducer)  # type: ignore[assignment]
+        self.logger = DdpLogger(self)  # type: ignore[assignment]
         self._hook_registered = False
         self._buffers_sync: Broadcaster | None = None
         self._broadcasters: list[Broadcaster] = []
@@ -169,6 +175,7 @@ class DistributedDataParallel(_TorchDDP):
             named = list(self.module.named_parameters())
             broadcast_once(self.endpoint, ".init",
                            named + (list(self.module.named_buffers()) if with_buffers else []))
+        self._reducer.form_order_job()
         has_buffers = any(buffer.numel() for _, buffer in self.module.named_buffers())
         if self.forward_sync_buffers and has_buffers:
             self._buffers_sync = Broadcaster(
@@ -191,8 +198,13 @@ class DistributedDataParallel(_TorchDDP):
                 self._broadcast_buffers(source)
             if self._join_config.enable:
                 announce_sync(self.process_group, self._reducer.require_sync)
-            self.require_forward_param_sync = grad_enabled and self._reducer.require_sync
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if not self._closed:
+            # torch's _post_forward: decided after the module ran, so sync turned off inside
+            # the forward (Lightning's manual optimisation) skips the next buffer broadcast
+            self.require_forward_param_sync = (torch.is_grad_enabled()
+                                               and self._reducer.require_sync)
+        return output
 
     def _join_forward(self) -> None:
         """Inside ``join()``: tell the joined ranks that this one still trains."""
@@ -207,7 +219,12 @@ class DistributedDataParallel(_TorchDDP):
 
     def _broadcast_buffers(self, source: int) -> None:
         assert self._buffers_sync is not None
-        self._buffers_sync.run(list(self.module.named_buffers()), source)
+        named = list(self.module.named_buffers())
+        # As torch's _sync_buffers: a module called twice before one backward saved these
+        # buffers (BatchNorm's running stats) for its backward; the copy must not bump their
+        # version counters, or that backward raises "modified by an inplace operation".
+        with torch.autograd._unsafe_preserve_version_counter(tuple(b for _, b in named)):
+            self._buffers_sync.run(named, source)
 
     def _broadcast_model(self, source: int) -> None:
         """Everyone takes rank ``source``'s parameters (and synced buffers): end of a join."""
@@ -253,6 +270,7 @@ class DistributedDataParallel(_TorchDDP):
                 "process group, as torch's Join does: call "
                 "torch.distributed.init_process_group('gloo') before wrapping the model"
             )
+        self.logger._set_uneven_input_join()  # type: ignore[union-attr]
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -274,6 +292,8 @@ class DistributedDataParallel(_TorchDDP):
         if self._hook_registered:
             raise CommdError("commd: register_comm_hook can only be called once (as in torch)")
         self._reducer.set_wire_dtype(wire_dtype(hook))
+        name = getattr(hook, "__qualname__", repr(hook))  # torch logs the qualname
+        self.logger._set_comm_hook_name(name)  # type: ignore[union-attr]
         self._hook_registered = True
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
@@ -281,6 +301,7 @@ class DistributedDataParallel(_TorchDDP):
 
     def _set_static_graph(self) -> None:
         self.static_graph = True  # commd's hooks work the same with or without
+        self.logger._set_static_graph()  # type: ignore[union-attr]
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
