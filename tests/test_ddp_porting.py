@@ -45,12 +45,9 @@ file; the four runs take about 50 s on two cores.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,7 +58,7 @@ import pytest
 import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
-from commd.testing.processes import FinishTimeout, finish, kill_all
+from commd.testing.processes import run_launchers
 
 SCRIPTS = Path(__file__).with_name("ddp_scripts")
 RUNNER = SCRIPTS / "run_scenarios.py"
@@ -139,24 +136,7 @@ def run_scenarios(launch: str, impl: str, nodes: list[LocalDaemon], out: Path) -
                 "COMMD_SOCKET": nodes[node].socket,
             })
     logs = [out / f"process{index}.log" for index in range(len(commands))]
-    processes: list[subprocess.Popen[bytes]] = []
-    problem = ""
-    try:
-        for cmd, env, log in zip(commands, envs, logs, strict=True):
-            with open(log, "wb") as sink:  # a file, not a pipe: spawned children share it
-                processes.append(subprocess.Popen(cmd, env=env, stdout=sink,
-                                                  stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
-        for done in finish(processes, RUN_TIMEOUT_S):
-            if done.returncode != 0:
-                problem += f"process {done.pid} exited with {done.returncode}. "
-    except FinishTimeout as timeout:
-        problem = str(timeout)
-    finally:
-        for process in processes:  # the spawn launcher's children, if it was killed
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-        kill_all(processes)  # reaped already, unless a start failed part way
+    problem = run_launchers(commands, envs, logs, RUN_TIMEOUT_S)
     records: list[dict[str, Any] | None] = []
     for rank in range(WORLD_SIZE):
         path = out / f"rank{rank}.pt"

@@ -19,11 +19,8 @@ by an inplace operation" (rank 0, the source, copies nothing and never saw it).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -35,7 +32,7 @@ import pytest
 import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
-from commd.testing.processes import FinishTimeout, finish, kill_all
+from commd.testing.processes import run_launchers
 
 SCRIPT = Path(__file__).with_name("ddp_twice_worker.py")
 WORLD_SIZE = 2
@@ -93,25 +90,9 @@ def run_script(launch: str, daemons: int, impl: str, nodes: list[LocalDaemon], o
                 "COMMD_SOCKET": nodes[node].socket,
             })
     log_path = out / "run.log"
-    processes: list[subprocess.Popen[bytes]] = []
-    problem = ""
+    log_path.write_bytes(b"")
     started = time.monotonic()
-    try:
-        with open(log_path, "wb") as sink:  # a file: spawned children share it
-            for cmd, env in zip(commands, envs, strict=True):
-                processes.append(subprocess.Popen(cmd, env=env, stdout=sink,
-                                                  stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
-        for done in finish(processes, RUN_TIMEOUT_S):
-            if done.returncode != 0:
-                problem += f"process {done.pid} exited with {done.returncode}. "
-    except FinishTimeout as timeout:
-        problem = f"hung: {timeout}"
-    finally:
-        for process in processes:  # the spawn launcher's children, if it was killed
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-        kill_all(processes)
+    problem = run_launchers(commands, envs, [log_path] * len(commands), RUN_TIMEOUT_S)
     seconds = time.monotonic() - started
     records = [torch.load(path) if (path := out / f"rank{rank}.pt").exists() else None
                for rank in range(WORLD_SIZE)]

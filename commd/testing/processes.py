@@ -7,6 +7,8 @@ is not installed.
 - :func:`finish`: every process's output and exit code under one deadline; whatever happens
   (the deadline, an exception, Ctrl-C), every process is killed and reaped before it returns.
 - :func:`start_json_worker`: ``command '<json spec>'`` with stdout and stderr piped as text.
+- :func:`run_launchers`: launchers (``mp.spawn`` scripts, torchrun-style ranks) run to their end
+  in sessions of their own, their output in files; their process groups killed afterwards.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DEFAULT_GRACE_S = 10.0
@@ -194,3 +198,30 @@ def _command(args: Any) -> str:
     words = [str(arg) for arg in args] if isinstance(args, list | tuple) else [str(args)]
     text = " ".join(words)
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run_launchers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]],
+                  logs: Sequence[Path], timeout_s: float) -> str:
+    """Run each command with its environment, its output in its log (one file may serve
+    several), in a session of its own, until all end or ``timeout_s`` passes; then every
+    process group is killed, so a launcher's children (``mp.spawn``'s ranks) never outlive it.
+    '' when every command exited 0, else what went wrong."""
+    processes: list[subprocess.Popen[bytes]] = []
+    problem = ""
+    try:
+        for command, env, log in zip(commands, envs, logs, strict=True):
+            with open(log, "ab") as sink:  # a file, not a pipe: spawned children share it
+                processes.append(subprocess.Popen(list(command), env=dict(env), stdout=sink,
+                                                  stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+        for done in finish(processes, timeout_s):
+            if done.returncode != 0:
+                problem += f"process {done.pid} exited with {done.returncode}. "
+    except FinishTimeout as timeout:
+        problem = f"hung: {timeout}"
+    finally:
+        for process in processes:  # the launcher's children, if it was killed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        kill_all(processes)  # reaped already, unless a start failed part way
+    return problem
