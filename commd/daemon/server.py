@@ -23,7 +23,7 @@ import zmq.asyncio
 import commd
 from commd.compression import native
 from commd.coordinator.coordinator import Coordinator, Deadlines
-from commd.coordinator.validation import NOT_FOR_A_COORDINATOR, JoinLimits, frame_tag
+from commd.coordinator.validation import NOT_FOR_A_COORDINATOR, JoinLimits
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, planning_aside, serve
 from commd.daemon.handover import BufferSocket
@@ -51,7 +51,7 @@ from commd_protocol import (
     Welcome,
     encode,
 )
-from commd_protocol.codec import peer_codec
+from commd_protocol.codec import frame_tag, peer_codec
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.status import DaemonStatus
 

@@ -91,6 +91,16 @@ _tag_decoder = msgspec.msgpack.Decoder(_Tagged)
 _skipper = msgspec.msgpack.Decoder(msgspec.Raw)
 
 
+def frame_tag(frame: bytes) -> str | None:
+    """A frame's ``type``, read without decoding the rest (skipped, not built); None when it
+    is no map or its type no string (its full decode says why)."""
+    try:
+        tag = _tag_decoder.decode(frame).type
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return tag if isinstance(tag, str) else None
+
+
 def _kind(frame: bytes) -> str:
     """The Python type a MessagePack value decodes to, from its first byte (not a map)."""
     first = frame[0]
