@@ -39,14 +39,12 @@ class ClusterOnly:
         return client_key == self._key
 
 
-def start_authenticator(context: zmq.asyncio.Context, key: ClusterKey) -> tuple[
-        AsyncioAuthenticator, ClusterOnly]:
+def start_authenticator(context: zmq.asyncio.Context, key: ClusterKey) -> AsyncioAuthenticator:
     """The context's ZAP handler, before any socket of it binds or connects."""
     authenticator = AsyncioAuthenticator(context)
     authenticator.start()
-    admit = ClusterOnly(key)
-    authenticator.configure_curve_callback(domain="*", credentials_provider=admit)
-    return authenticator, admit
+    authenticator.configure_curve_callback(domain="*", credentials_provider=ClusterOnly(key))
+    return authenticator
 
 
 class PeerSecurity:
@@ -55,7 +53,6 @@ class PeerSecurity:
 
     def __init__(self) -> None:
         self._authenticator: AsyncioAuthenticator | None = None
-        self._admit: ClusterOnly | None = None
         self.handshakes = HandshakeWatch()
         self.key_path = ""  # the key file in use ("": none, --insecure)
 
@@ -75,7 +72,7 @@ class PeerSecurity:
             key, self.key_path = local_key(socket_path)
             log.info("peers authenticated with the local key %s (shared by the daemons whose "
                      "sockets are in its directory; --cluster-key for a cluster)", self.key_path)
-        self._authenticator, self._admit = start_authenticator(context, key)
+        self._authenticator = start_authenticator(context, key)
         return key
 
     def watch(self, peers: zmq.asyncio.Socket) -> None:
