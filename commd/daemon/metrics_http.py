@@ -75,7 +75,9 @@ class MetricsServer:
         self.head_deadline_s = head_deadline_s
         self.max_head_bytes = max_head_bytes
         self.cache_s = cache_s
-        self._cached: tuple[float, bytes] | None = None  # (monotonic time fresh until, text)
+        # (monotonic time fresh until, the GET reply, the HEAD reply): whole replies, so that
+        # a scrape between renders costs no copy of the text
+        self._cached: tuple[float, bytes, bytes] | None = None
         self._open: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self.renders = 0  # how many times the text was rendered (the cache's misses)
@@ -137,15 +139,16 @@ class MetricsServer:
             return _NOT_FOUND
         if method not in _METHODS:
             return _NOT_ALLOWED
-        text = self._text()
-        if text is None:
+        cached = self._fresh()
+        if cached is None:
             return _FAILED
-        return _reply("200 OK", text, self._content_type, head_only=method == b"HEAD")
+        return cached[2] if method == b"HEAD" else cached[1]
 
-    def _text(self) -> bytes | None:
+    def _fresh(self) -> tuple[float, bytes, bytes] | None:
+        """The cached replies, rendered again once stale; None when rendering failed."""
         now = time.monotonic()
         if self._cached is not None and now < self._cached[0]:
-            return self._cached[1]
+            return self._cached
         try:
             text = self._render()
         except Exception:
@@ -153,8 +156,10 @@ class MetricsServer:
             return None
         took = time.monotonic() - now
         self.renders += 1
-        self._cached = (now + max(self.cache_s, took / RENDER_SHARE), text)
-        return text
+        self._cached = (now + max(self.cache_s, took / RENDER_SHARE),
+                        _reply("200 OK", text, self._content_type),
+                        _reply("200 OK", text, self._content_type, head_only=True))
+        return self._cached
 
 
 class _Connection(asyncio.Protocol):
