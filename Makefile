@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	# dev, plus the optional framework extras so their tests run here and in CI
+	$(BIN)/pip install -q -e '.[dev,lightning,accelerate]'
 	touch $(STAMP)
 
 install: $(STAMP)
