@@ -1,0 +1,123 @@
+"""What commd's ``Accelerator`` is given, checked before Accelerate sets anything up.
+
+Three kinds of input: commd's own keywords (``compression``, ``planner``, ``commd_*``), the
+``DistributedDataParallelKwargs`` handler Accelerate turns into torch DDP's keywords, and the
+plugins of the parallelisms commd cannot stand in for (FSDP, DeepSpeed, Megatron-LM, tensor
+parallelism). Each failure is a ``CommdError`` (a ``CommdTypeError`` or ``CommdValueError``
+where the value is of the wrong kind or out of range) naming the argument, raised before a
+process group or daemon connection exists, so a misconfigured script fails on every rank alike
+and at once, also when it runs as a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+from commd_protocol import CommdError, CommdTypeError, CommdValueError
+
+from . import env
+
+# Accelerate's constructor arguments that select a parallelism other than data parallelism.
+REFUSED_PLUGINS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin",
+                   "torch_tp_plugin", "parallelism_config")
+
+# The hooks commd's wrapper runs (fp16 / bf16 on the wire); PowerSGD has commd's top-k instead.
+_HOOKS = (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16,
+          DDPCommunicationHookType.BF16)
+_BOOL_FIELDS = ("broadcast_buffers", "find_unused_parameters", "check_reduction",
+                "gradient_as_bucket_view", "static_graph")
+
+
+@dataclass(frozen=True)
+class CommdKeywords:
+    """commd's keywords of the Accelerator, as ``commd_client.torch.DistributedDataParallel``
+    takes them; None: the wrapper's default (the environment, then its built-in default)."""
+
+    compression: str | None = None
+    planner: str | None = None
+    socket: str | None = None
+    coordinator: str | None = None
+    timeout: float | None = None
+    job: str | None = None
+
+    def for_ddp(self) -> dict[str, Any]:
+        """The keywords to pass on: only those given, so the wrapper's defaults stay its own."""
+        given = {"compression": self.compression, "planner": self.planner, "socket": self.socket,
+                 "coordinator": self.coordinator, "timeout": self.timeout, "job": self.job}
+        return {name: value for name, value in given.items() if value is not None}
+
+
+def commd_keywords(*, compression: Any, planner: Any, commd_socket: Any, commd_coordinator: Any,
+                   commd_timeout: Any, commd_job: Any) -> CommdKeywords:
+    """The keywords checked for their kind (and the timeout for its range); what a string
+    means (a compression spec, a planner name) is the daemon's to judge, at registration."""
+    texts = {"compression": compression, "planner": planner, "commd_socket": commd_socket,
+             "commd_coordinator": commd_coordinator, "commd_job": commd_job}
+    for name, value in texts.items():
+        if value is not None and not isinstance(value, str):
+            raise CommdTypeError(f"commd: Accelerator({name}={value!r:.60}): {name} must be "
+                                 f"a string, not {type(value).__name__}")
+    timeout = None
+    if commd_timeout is not None:
+        try:
+            timeout = env.timeout(commd_timeout)
+        except CommdError as error:
+            raise CommdValueError(f"commd: Accelerator(commd_timeout={commd_timeout!r:.40}): "
+                                  f"{str(error).removeprefix('commd: ')}") from None
+    return CommdKeywords(compression, planner, commd_socket, commd_coordinator, timeout,
+                         commd_job)
+
+
+def refuse_plugins(arguments: Mapping[str, Any]) -> None:
+    """FSDP, DeepSpeed, Megatron-LM and tensor parallelism shard or split the model; commd
+    reduces whole gradients of a replicated one."""
+    for name in REFUSED_PLUGINS:
+        if arguments.get(name) is not None:
+            raise CommdError(
+                f"commd: Accelerator({name}=...) is not supported: commd's Accelerator does "
+                "data parallelism with commd's DistributedDataParallel only (FSDP, DeepSpeed, "
+                "Megatron-LM and tensor parallelism are not); use accelerate.Accelerator for it"
+            )
+
+
+def check_ddp_kwargs(handlers: Iterable[Any] | None) -> None:
+    """The ``DistributedDataParallelKwargs`` among ``kwargs_handlers``: every field of the
+    right kind, and a communication hook commd's wrapper runs."""
+    for handler in handlers or ():
+        if isinstance(handler, DistributedDataParallelKwargs):
+            _check_ddp_handler(handler)
+
+
+def _check_ddp_handler(handler: DistributedDataParallelKwargs) -> None:
+    def bad(field: str, value: Any, want: str) -> str:
+        return (f"commd: DistributedDataParallelKwargs({field}={value!r:.60}) is not valid: "
+                f"{field} must be {want}")
+
+    for field in _BOOL_FIELDS:
+        value = getattr(handler, field)
+        if not isinstance(value, bool):
+            raise CommdTypeError(bad(field, value, "True or False"))
+    if isinstance(handler.dim, bool) or not isinstance(handler.dim, int):
+        raise CommdTypeError(bad("dim", handler.dim, "an int"))
+    cap = handler.bucket_cap_mb
+    if isinstance(cap, bool) or not isinstance(cap, int | float):
+        raise CommdTypeError(bad("bucket_cap_mb", cap, "a positive number of megabytes"))
+    if not cap > 0:
+        raise CommdValueError(bad("bucket_cap_mb", cap, "a positive number of megabytes"))
+    hook, wrapper = handler.comm_hook, handler.comm_wrapper
+    if hook not in _HOOKS:
+        raise CommdValueError(
+            f"commd: DistributedDataParallelKwargs(comm_hook={hook}) is not supported: commd's "
+            "daemon runs no Python hooks; comm_hook may be 'no', 'fp16' or 'bf16' (half "
+            "precision on the wire), and for PowerSGD's saving use commd's top-k instead: "
+            "Accelerator(compression='topk:auto')"
+        )
+    if wrapper != DDPCommunicationHookType.NO and hook != DDPCommunicationHookType.NO:
+        raise CommdValueError(
+            f"commd: DistributedDataParallelKwargs(comm_wrapper={wrapper}) around "
+            f"comm_hook={hook} is not supported: choose comm_hook='fp16' or 'bf16' alone"
+        )
