@@ -5,6 +5,8 @@ Launch ``lightning``: started once, Lightning's own launcher (``start_method="po
 ``strategy="ddp"`` launches) re-runs this script for rank 1, on one node (``devices=2``).
 Launch ``torchrun``: the test starts one process per rank with torchrun's environment
 (``TORCHELASTIC_RUN_ID`` …), one node each (``num_nodes=2``, ``devices=1``).
+Launch ``spawn`` (phase ``spawned``, strategies ``ddp_spawn`` / ``commd_spawn``): Lightning
+spawns both ranks from this process and hands rank 0's trained model back to it.
 
 Phases, each recorded per rank (parameters and buffers; each fit's wrapper and whether it was
 closed by the strategy's teardown):
@@ -133,15 +135,17 @@ class Gan(pl.LightningModule):
 def strategy(kind: str, **options: Any) -> Any:
     if kind == "ddp":
         return "ddp_find_unused_parameters_true" if options else "ddp"
+    if kind == "ddp_spawn":
+        return kind
     import commd_client.lightning as commd_lightning
 
-    if kind == "commd" and not options:
-        return "commd"
+    if kind in ("commd", "commd_spawn") and not options:
+        return kind
     return commd_lightning.CommdDDPStrategy(**options)
 
 
 def trainer(args: argparse.Namespace, strategy_: Any, **extra: Any) -> pl.Trainer:
-    devices, nodes = (2, 1) if args.launch == "lightning" else (1, 2)
+    devices, nodes = (1, 2) if args.launch == "torchrun" else (2, 1)
     return pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy_,
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=False, deterministic=True, **extra)
@@ -174,6 +178,18 @@ def run_auto(args: argparse.Namespace, record: dict[str, Any]) -> None:
     record["wrappers_after_test"] = wrappers()
 
 
+def run_spawned(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """``start_method="spawn"``: the ranks are children of this process; rank 0's trained
+    state comes back here, as Lightning's spawn launcher returns it."""
+    pl.seed_everything(0, workers=True)
+    model = Regressor()
+    run = trainer(args, strategy(args.strategy), max_epochs=1, accumulate_grad_batches=2,
+                  gradient_clip_val=0.05)
+    run.fit(model)
+    record["strategy_class"] = type(run.strategy).__name__
+    record["spawned"] = state(model)
+
+
 def run_manual(args: argparse.Namespace, record: dict[str, Any]) -> None:
     pl.seed_everything(0, workers=True)
     model = Gan()
@@ -202,8 +218,9 @@ def rank() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=("ddp", "commd", "class"), required=True)
-    parser.add_argument("--launch", choices=("lightning", "torchrun"), required=True)
+    parser.add_argument("--strategy", choices=("ddp", "commd", "class", "ddp_spawn",
+                                               "commd_spawn"), required=True)
+    parser.add_argument("--launch", choices=("lightning", "torchrun", "spawn"), required=True)
     parser.add_argument("--phases", default="auto,manual")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -212,7 +229,8 @@ def main() -> None:
     record: dict[str, Any] = {}
     try:
         for phase in args.phases.split(","):
-            {"auto": run_auto, "manual": run_manual, "bad": run_bad}[phase](args, record)
+            {"auto": run_auto, "manual": run_manual, "bad": run_bad,
+             "spawned": run_spawned}[phase](args, record)
     except BaseException as exc:
         record["error"] = "".join(traceback.format_exception(exc))
         raise

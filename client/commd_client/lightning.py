@@ -2,7 +2,7 @@
 
 Lightning users change one argument::
 
-    import commd_client.lightning  # registers strategy="commd"
+    import commd_client.lightning  # registers strategy="commd" (and "commd_spawn")
     trainer = Trainer(accelerator="cpu", devices=2, strategy="commd")
     # or, with commd's options as keywords:
     trainer = Trainer(accelerator="cpu", devices=2,
@@ -10,7 +10,8 @@ Lightning users change one argument::
 
 Everything Lightning's ``DDPStrategy`` does stays Lightning's: its launchers (the default
 re-runs the script once per extra device, ``start_method="popen"``, as ``strategy="ddp"``;
-torchrun and other external launchers are detected as usual), the Gloo process group it
+``"commd_spawn"`` / ``start_method="spawn"`` as ``"ddp_spawn"``; torchrun and other external
+launchers are detected as usual), the Gloo process group it
 initialises, samplers, checkpoints, ``trainer.test``. Only the wrapper differs:
 ``_setup_model`` wraps with ``commd_client.torch.DistributedDataParallel``, which takes its
 rank and local ranks from Lightning's process group and its daemon from ``COMMD_SOCKET`` or
@@ -150,11 +151,14 @@ class CommdDDPStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Only ``"commd"``: DDPStrategy's names ("ddp", …) stay torch's."""
-        strategy_registry.register(
-            NAME, cls, description="DDP with commd averaging the gradients (CPU, Gloo)",
-            override=True,
-        )
+        """``"commd"`` (popen, as ``"ddp"``) and ``"commd_spawn"`` (as ``"ddp_spawn"``);
+        DDPStrategy's own names stay Lightning's."""
+        for name, start_method in ((NAME, "popen"), (f"{NAME}_spawn", "spawn")):
+            strategy_registry.register(
+                name, cls, override=True, start_method=start_method,
+                description=f"DDP with commd averaging the gradients (CPU, Gloo), "
+                            f"start_method {start_method!r}",
+            )
 
 
 def _refuse_unsupported(state: object | None, hook: Callable[..., Any] | None,
