@@ -16,12 +16,13 @@ in phases:
 Launched by the caller with torchrun's environment (RANK, WORLD_SIZE, …), by
 ``accelerate launch``, or as one plain process (no distribution). ``--variant custom`` passes
 ``DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=1,
-gradient_as_bucket_view=True)`` (not ``find_unused_parameters=True``: torch DDP then fails
-in ``trigger_sync_in_backward``, "marked ready twice"); ``--compression`` (commd only) is
-passed as ``Accelerator(compression=...)``.
+gradient_as_bucket_view=True, comm_hook=FP16)`` (not ``find_unused_parameters=True``: torch
+DDP then fails in ``trigger_sync_in_backward``, "marked ready twice"); ``--compression``
+(commd only) is passed as ``Accelerator(compression=...)``.
 
 Each rank writes ``OUT/rank<N>.pt``: the model's state (parameters and buffers) after every
-phase, the prepared model's class, whether ``unwrap_model`` returned the module given to
+phase, the prepared model's class, what it logs of its set-up (``_get_ddp_logging_data``:
+comm hook, buffer broadcast), whether ``unwrap_model`` returned the module given to
 ``prepare``, the clip norms; or ``{"error": ...}`` (then it exits 1).
 """
 
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -76,7 +77,8 @@ def train(out: Path, variant: str, compression: str | None) -> dict[str, Any]:
     handlers = None
     if variant == "custom":
         handlers = [DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=1,
-                                                  gradient_as_bucket_view=True)]
+                                                  gradient_as_bucket_view=True,
+                                                  comm_hook=DDPCommunicationHookType.FP16)]
     extra = {"compression": compression} if compression else {}
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, kwargs_handlers=handlers,
                               **extra)
@@ -93,6 +95,9 @@ def train(out: Path, variant: str, compression: str | None) -> dict[str, Any]:
         "distributed_type": str(accelerator.distributed_type),
         "norms": [], "states": {},
     }
+    if accelerator.num_processes > 1:  # what torch DDP (or commd's) logs of its set-up
+        logged = model._get_ddp_logging_data()
+        record["logged"] = {key: logged.get(key) for key in ("comm_hook", "broadcast_buffers")}
 
     def snapshot(name: str) -> None:
         state = accelerator.unwrap_model(model).state_dict()

@@ -9,8 +9,9 @@ import. 2 ranks on CPU (``DistributedType.MULTI_CPU``, Gloo), real ``commd run``
 - ``test_matches_stock``: launched with torchrun's environment on one daemon and on two (one
   rank each), and by ``accelerate launch`` (with a config file, never the user's) with
   ``DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=1,
-  gradient_as_bucket_view=True)``: the prepared model is commd's wrapper, ``unwrap_model``
-  gives back the module passed to ``prepare``, and after every phase the parameters and
+  gradient_as_bucket_view=True, comm_hook=FP16)``: the prepared model is commd's wrapper
+  with the hook and buffer setting torch's reports, ``unwrap_model`` gives back the module
+  passed to ``prepare``, and after every phase the parameters and
   buffers on every rank equal stock accelerate's (torch DDP) on the same seeds to 1e-5, as do
   the clip norms; ``load_state`` restores rank 0's saved state and the resumed epoch ends where
   the first one did.
@@ -180,6 +181,9 @@ def test_matches_stock(launch: str, daemons: int, variant: str, nodes: list[Loca
         assert ref["ddp_class"] == "torch.nn.parallel.distributed.DistributedDataParallel"
         assert got["unwrapped_is_raw"] and ref["unwrapped_is_raw"]
         assert (got["world_size"], got["distributed_type"]) == (2, "DistributedType.MULTI_CPU")
+        # the comm hook and buffer broadcast as asked (no hook: torch logs no key, commd "")
+        assert (got["logged"]["comm_hook"] or None) == ref["logged"]["comm_hook"]
+        assert got["logged"]["broadcast_buffers"] == ref["logged"]["broadcast_buffers"]
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=0, atol=1e-5)
         for phase in PHASES:
             assert_states_equal(got["states"][phase], ref["states"][phase],
