@@ -16,6 +16,7 @@ closed by the strategy's teardown):
   resume from it (``ckpt_path=``) for a second epoch, then ``trainer.test``.
 - ``manual``: manual optimisation, a GAN-ish toy with two optimizers toggled, two
   ``manual_backward`` per step, BatchNorm in the generator.
+- ``hook`` (commd only): ``ddp_comm_hook=fp16_compress_hook``; the hook the wrapper logged.
 - ``bad`` (commd only): an option the daemon refuses; the error's text is recorded.
 
 ``--strategy`` picks how the strategy is given: ``ddp`` (Lightning's name), ``commd`` (the
@@ -200,6 +201,18 @@ def run_manual(args: argparse.Namespace, record: dict[str, Any]) -> None:
     record["wrappers_after_manual"] = wrappers()
 
 
+def run_hook(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """``ddp_comm_hook=fp16_compress_hook`` on the CPU: registered on commd's wrapper."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    pl.seed_everything(0, workers=True)
+    model = Regressor()
+    hooked = strategy("class", ddp_comm_hook=default_hooks.fp16_compress_hook)
+    trainer(args, hooked, max_epochs=1).fit(model)
+    record["hook_logged"] = WRAPPERS[-1]._get_ddp_logging_data().get("comm_hook")
+    record["hook_trained"] = state(model)
+
+
 def run_bad(args: argparse.Namespace, record: dict[str, Any]) -> None:
     """An option only the daemon can judge: the run must fail with CommdError naming it."""
     from commd_client import CommdError
@@ -229,7 +242,7 @@ def main() -> None:
     record: dict[str, Any] = {}
     try:
         for phase in args.phases.split(","):
-            {"auto": run_auto, "manual": run_manual, "bad": run_bad,
+            {"auto": run_auto, "manual": run_manual, "bad": run_bad, "hook": run_hook,
              "spawned": run_spawned}[phase](args, record)
     except BaseException as exc:
         record["error"] = "".join(traceback.format_exception(exc))

@@ -23,6 +23,8 @@ Tests:
   strategy's teardown closed it.
 - ``test_spawn_matches_ddp_spawn``: ``strategy="commd_spawn"`` (Lightning's spawn launcher)
   against ``"ddp_spawn"``: rank 0's model, handed back to the launching process, to 1e-5.
+- ``test_fp16_hook_is_registered_on_the_cpu``: ``ddp_comm_hook=fp16_compress_hook`` reaches
+  commd's wrapper (Lightning's ``"ddp"`` drops hooks on the CPU); the ranks agree.
 - ``test_bad_compression_is_refused_by_name``: ``compression="topk:lots"`` ends ``fit`` on
   both ranks with a CommdError naming the compression.
 - ``test_daemons_serve_after_teardown``: after all runs the daemons still answer ``commd
@@ -129,7 +131,7 @@ def records(nodes: list[LocalDaemon], segments_before: set[str],
     """Every run once: (launch, strategy) -> each rank's record."""
     out = tmp_path_factory.mktemp("lightning-runs")
     runs = [("lightning", "ddp", "auto,manual"), ("lightning", "commd", "auto,manual"),
-            ("torchrun", "ddp", "auto,manual"), ("torchrun", "class", "auto,manual,bad")]
+            ("torchrun", "ddp", "auto,manual"), ("torchrun", "class", "auto,manual,hook,bad")]
     return {(launch, strategy): run_worker(launch, strategy, phases, nodes,
                                            out / f"{launch}-{strategy}")
             for launch, strategy, phases in runs}
@@ -177,6 +179,15 @@ def test_spawn_matches_ddp_spawn(nodes: list[LocalDaemon],
     for key, value in want["spawned"].items():
         torch.testing.assert_close(got["spawned"][key].double(), value.double(), rtol=0,
                                    atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")  # type: ignore[misc]
+
+
+def test_fp16_hook_is_registered_on_the_cpu(records: Records) -> None:
+    """Lightning's own strategy registers hooks on CUDA only; commd runs fp16 on the CPU."""
+    first, second = records[("torchrun", "class")]
+    assert first["hook_logged"] == second["hook_logged"] == "fp16_compress_hook"
+    for key, value in first["hook_trained"].items():
+        if "running" not in key and "num_batches" not in key:  # buffers differ per rank
+            assert torch.equal(value, second["hook_trained"][key]), key
 
 
 def test_bad_compression_is_refused_by_name(records: Records) -> None:
