@@ -102,6 +102,10 @@ class CommdDDPStrategy(DDPStrategy):
             )
         _refuse_unsupported(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper,
                             model_averaging_period, process_group_backend)
+        options = _commd_options(
+            compression=compression, planner=planner, socket=socket,
+            coordinator=coordinator, job=job, commd_timeout=commd_timeout,
+        )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -109,10 +113,7 @@ class CommdDDPStrategy(DDPStrategy):
             ddp_comm_hook=ddp_comm_hook, process_group_backend=process_group_backend,
             timeout=timeout, start_method=start_method, **kwargs,
         )
-        self._commd_options = _commd_options(
-            compression=compression, planner=planner, socket=socket,
-            coordinator=coordinator, job=job, commd_timeout=commd_timeout,
-        )
+        self._commd_options = options
 
     @property
     def commd_options(self) -> dict[str, Any]:
