@@ -18,7 +18,8 @@ Launched by the caller with torchrun's environment (RANK, WORLD_SIZE, …), by
 ``DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=1,
 gradient_as_bucket_view=True, comm_hook=FP16)`` (not ``find_unused_parameters=True``: torch
 DDP then fails in ``trigger_sync_in_backward``, "marked ready twice"); ``--compression``
-(commd only) is passed as ``Accelerator(compression=...)``.
+(commd only) is passed as ``Accelerator(compression=...)``; ``--construct-only`` only
+constructs ``Accelerator()`` (without ``cpu=True``) and exits.
 
 Each rank writes ``OUT/rank<N>.pt``: the model's state (parameters and buffers) after every
 phase, the prepared model's class, what it logs of its set-up (``_get_ddp_logging_data``:
@@ -154,7 +155,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", choices=("default", "custom"), default="default")
     parser.add_argument("--compression", default=None)
+    parser.add_argument("--construct-only", action="store_true",
+                        help="only Accelerator() (no cpu=True), then exit")
     args = parser.parse_args()
+    if args.construct_only:
+        Accelerator()
+        return
     rank = int(os.environ.get("RANK", "0"))
     try:
         record = train(args.out, args.variant, args.compression)

@@ -19,6 +19,8 @@ import. 2 ranks on CPU (``DistributedType.MULTI_CPU``, Gloo), real ``commd run``
   needed (its socket does not exist); the results equal stock's exactly.
 - ``test_bad_compression_fails_every_rank``: a compression the daemon does not understand is a
   ``CommdError`` naming it on both ranks, not a hang.
+- ``test_warns_when_launched_but_not_distributed``: 2 ranks without ``cpu=True`` on a machine
+  without GPUs (accelerate then trains each rank alone, stock too): each logs a warning.
 - ``test_refused_*``: bad commd keywords, bad ``DistributedDataParallelKwargs`` values,
   PowerSGD hooks and FSDP are refused before anything starts, naming what was wrong.
 """
@@ -224,7 +226,8 @@ def test_bad_compression_fails_every_rank(nodes: list[LocalDaemon], tmp_path: Pa
     assert "hung" not in run.problem, f"the run waited for the timeout:\n{run.log}"
     for rank, record in enumerate(run.records):
         assert record is not None and "error" in record, f"rank {rank}:\n{run.log}"
-        assert "CommdError" in record["error"] and "topk:lots" in record["error"], record
+        assert "CommdError" in record["error"], record
+        assert "compression 'topk:lots' is not understood" in record["error"], record
 
 
 @pytest.mark.parametrize(("keywords", "error", "words"), [
@@ -263,6 +266,18 @@ def test_refused_ddp_kwargs(fields: dict[str, Any], error: type[Exception], word
     with pytest.raises(error, match="DistributedDataParallelKwargs") as caught:
         Accelerator(cpu=True, kwargs_handlers=[handler])
     assert words in str(caught.value)
+
+
+def test_warns_when_launched_but_not_distributed(nodes: list[LocalDaemon],
+                                                tmp_path: Path) -> None:
+    """Two ranks launched without cpu=True on a machine without GPUs: accelerate (stock too)
+    trains every rank alone; commd's Accelerator says so."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU accelerate picks MULTI_GPU (refused) instead")
+    run = run_worker("commd", "env", 1, nodes, tmp_path / "commd", "--construct-only")
+    assert not run.problem, f"{run.problem}\n{run.log}"
+    assert run.log.count("WORLD_SIZE=2, but accelerate runs without distribution") == 2, run.log
+    assert "Accelerator(cpu=True)" in run.log
 
 
 def test_refused_fsdp() -> None:
