@@ -92,6 +92,7 @@ def train(out: Path, variant: str, compression: str | None) -> dict[str, Any]:
     record: dict[str, Any] = {
         "ddp_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "unwrapped_is_raw": accelerator.unwrap_model(model) is raw,
+        "raw_marked": getattr(raw, "_is_accelerate_prepared", False),  # prepared again: rewrap
         "world_size": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "norms": [], "states": {},

@@ -182,6 +182,7 @@ def test_matches_stock(launch: str, daemons: int, variant: str, nodes: list[Loca
         assert got["ddp_class"] == COMMD_DDP
         assert ref["ddp_class"] == "torch.nn.parallel.distributed.DistributedDataParallel"
         assert got["unwrapped_is_raw"] and ref["unwrapped_is_raw"]
+        assert got["raw_marked"] == ref["raw_marked"]
         assert (got["world_size"], got["distributed_type"]) == (2, "DistributedType.MULTI_CPU")
         # the comm hook and buffer broadcast as asked (no hook: torch logs no key, commd "")
         assert (got["logged"]["comm_hook"] or None) == ref["logged"]["comm_hook"]

@@ -29,6 +29,7 @@ See docs/ddp.md, "Porting a script".
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -116,6 +117,10 @@ class Accelerator(accelerate.Accelerator):
         # bookkeeping in self._models, torch.compile when configured) and skips only that
         # wrap, which is then made here — without patching torch's class for everyone.
         prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
+        # As in accelerate, only the outermost object carries the mark; on the module inside,
+        # it would make a second prepare() of that module return it unwrapped.
+        with contextlib.suppress(AttributeError):
+            del prepared._is_accelerate_prepared
         keywords = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         wrapped = DistributedDataParallel(prepared, **keywords, **self._commd.for_ddp())
         if self.ddp_handler is not None:
