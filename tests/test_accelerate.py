@@ -234,7 +234,7 @@ def test_bad_compression_fails_every_rank(nodes: list[LocalDaemon], tmp_path: Pa
 @pytest.mark.parametrize(("keywords", "error", "words"), [
     ({"compression": 0.01}, CommdTypeError, "compression=0.01"),
     ({"planner": ["optimal"]}, CommdTypeError, "planner="),
-    ({"commd_socket": Path("/run/commd/commd.sock")}, CommdTypeError, "commd_socket="),
+    ({"socket": Path("/run/commd/commd.sock")}, CommdTypeError, "socket="),
     ({"commd_timeout": -5}, CommdValueError, "commd_timeout=-5"),
     ({"commd_timeout": "soon"}, CommdValueError, "commd_timeout='soon'"),
 ], ids=["compression", "planner", "socket", "negative-timeout", "text-timeout"])
@@ -246,8 +246,8 @@ def test_refused_commd_keywords(keywords: dict[str, Any], error: type[Exception]
 
 
 def test_refused_unknown_keyword() -> None:
-    with pytest.raises(TypeError, match="socket"):  # commd's is commd_socket
-        Accelerator(cpu=True, socket="/run/commd/commd.sock")
+    with pytest.raises(TypeError, match="compresion"):  # a misspelt keyword
+        Accelerator(cpu=True, compresion="topk:auto")
 
 
 @pytest.mark.parametrize(("fields", "error", "words"), [

@@ -1,12 +1,13 @@
 """What commd's ``Accelerator`` is given, checked before Accelerate sets anything up.
 
-Three kinds of input: commd's own keywords (``compression``, ``planner``, ``commd_*``), the
-``DistributedDataParallelKwargs`` handler Accelerate turns into torch DDP's keywords, and the
-plugins of the parallelisms commd cannot stand in for (FSDP, DeepSpeed, Megatron-LM, tensor
-parallelism). Each failure is a ``CommdError`` (a ``CommdTypeError`` or ``CommdValueError``
-where the value is of the wrong kind or out of range) naming the argument, raised before a
-process group or daemon connection exists, so a misconfigured script fails on every rank alike
-and at once, also when it runs as a single process.
+Three kinds of input: commd's own keywords (``compression``, ``planner``, ``socket``,
+``coordinator``, ``job``, ``commd_timeout``), the ``DistributedDataParallelKwargs`` handler
+Accelerate turns into torch DDP's keywords, and the plugins of the parallelisms commd cannot
+stand in for (FSDP, DeepSpeed, Megatron-LM, tensor parallelism). Each failure is a
+``CommdError`` (a ``CommdTypeError`` or ``CommdValueError`` where the value is of the wrong
+kind or out of range) naming the argument, raised before a process group or daemon
+connection exists, so a misconfigured script fails on every rank alike and at once, also
+when it runs as a single process.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ class CommdKeywords:
         return {name: value for name, value in given.items() if value is not None}
 
 
-def commd_keywords(*, compression: Any, planner: Any, commd_socket: Any, commd_coordinator: Any,
-                   commd_timeout: Any, commd_job: Any) -> CommdKeywords:
+def commd_keywords(*, compression: Any, planner: Any, socket: Any, coordinator: Any, job: Any,
+                   commd_timeout: Any) -> CommdKeywords:
     """The keywords checked for their kind (and the timeout for its range); what a string
     means (a compression spec, a planner name) is the daemon's to judge, at registration."""
-    texts = {"compression": compression, "planner": planner, "commd_socket": commd_socket,
-             "commd_coordinator": commd_coordinator, "commd_job": commd_job}
+    texts = {"compression": compression, "planner": planner, "socket": socket,
+             "coordinator": coordinator, "job": job}
     for name, value in texts.items():
         if value is not None and not isinstance(value, str):
             raise CommdTypeError(f"commd: Accelerator({name}={value!r:.60}): {name} must be "
@@ -68,8 +69,7 @@ def commd_keywords(*, compression: Any, planner: Any, commd_socket: Any, commd_c
         except CommdError as error:
             raise CommdValueError(f"commd: Accelerator(commd_timeout={commd_timeout!r:.40}): "
                                   f"{str(error).removeprefix('commd: ')}") from None
-    return CommdKeywords(compression, planner, commd_socket, commd_coordinator, timeout,
-                         commd_job)
+    return CommdKeywords(compression, planner, socket, coordinator, timeout, job)
 
 
 def refuse_plugins(arguments: Mapping[str, Any]) -> None:

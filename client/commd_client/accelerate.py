@@ -19,12 +19,12 @@ subclass of torch's class, with ``no_sync``, ``reducer.prepare_for_backward`` an
 ``require_forward_param_sync``). Without distribution (one process) nothing is wrapped and no
 daemon is needed, as with stock accelerate.
 
-commd's keywords, named so as not to clash with accelerate's own arguments: ``compression``
-and ``planner`` (as the wrapper's), ``commd_socket``, ``commd_coordinator``, ``commd_timeout``
-and ``commd_job`` (the wrapper's ``socket``, ``coordinator``, ``timeout``, ``job``). Refused
-with a ``CommdError`` naming what: FSDP, DeepSpeed, Megatron-LM and tensor-parallel plugins or
-launches, a GPU distributed type, comm hooks other than fp16 / bf16 (``_accelerate_options``).
-See docs/ddp.md, "Porting a script".
+commd's keywords, the same as ``commd_client.lightning.CommdDDPStrategy``'s: ``compression``,
+``planner``, ``socket``, ``coordinator`` and ``job`` (as the wrapper's), and ``commd_timeout``
+(the wrapper's ``timeout``, named apart from the process group's timeout that accelerate's
+``InitProcessGroupKwargs`` sets). Refused with a ``CommdError`` naming what: FSDP, DeepSpeed,
+Megatron-LM and tensor-parallel plugins or launches, a GPU distributed type, comm hooks other
+than fp16 / bf16 (``_accelerate_options``). See docs/ddp.md, "Porting a script".
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Accelerator(accelerate.Accelerator):
 
     Takes accelerate's arguments unchanged, then commd's keyword-only ones: ``compression``
     (``topk:RATIO[:EXCHANGE]``, ``topk:auto``, optionally ``:momentum=M``), ``planner``,
-    ``commd_socket``, ``commd_coordinator``, ``commd_timeout`` (seconds) and ``commd_job``;
+    ``socket``, ``coordinator``, ``job`` and ``commd_timeout`` (seconds);
     each defaults as in ``commd_client.torch.DistributedDataParallel`` (``COMMD_*``, torchrun's
     environment, the process group).
     """
@@ -67,18 +67,17 @@ class Accelerator(accelerate.Accelerator):
         *args: Any,
         compression: str | None = None,
         planner: str | None = None,
-        commd_socket: str | None = None,
-        commd_coordinator: str | None = None,
+        socket: str | None = None,
+        coordinator: str | None = None,
+        job: str | None = None,
         commd_timeout: float | None = None,
-        commd_job: str | None = None,
         **kwargs: Any,
     ) -> None:
         # Everything is checked before accelerate initialises a process group, so a bad
         # argument fails every rank the same way, at once.
         self._commd: CommdKeywords = commd_keywords(
-            compression=compression, planner=planner, commd_socket=commd_socket,
-            commd_coordinator=commd_coordinator, commd_timeout=commd_timeout,
-            commd_job=commd_job)
+            compression=compression, planner=planner, socket=socket, coordinator=coordinator,
+            job=job, commd_timeout=commd_timeout)
         arguments = _STOCK_SIGNATURE.bind(self, *args, **kwargs).arguments
         refuse_plugins(arguments)
         check_ddp_kwargs(arguments.get("kwargs_handlers"))
