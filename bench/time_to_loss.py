@@ -294,7 +294,8 @@ def run_rate(rate: str, nodes: Sequence[ddp_compare.Node], configs: Sequence[Con
 
 def summarise(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
     """Per configuration: median step (× torch DDP), mean validation curve, the wall time to
-    torch DDP's final validation loss (× torch DDP's). Without torch DDP no target."""
+    torch DDP's final validation loss (× torch DDP's) and the steps to it (how much of the
+    time is the step's, how much the curve's). Without torch DDP no target."""
     torch = outcomes.get(TORCH)
     torch_curve = torch.mean_curve() if torch else []
     target = torch_curve[-1][2] if torch_curve else None
@@ -305,8 +306,10 @@ def summarise(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
     for config, outcome in outcomes.items():
         curve = outcome.mean_curve()
         ms = outcome.median_ms()
-        reach = (time_to_loss([(w, v) for _, w, v in curve], target)
-                 if curve and target is not None else None)
+        reach = steps = None
+        if curve and target is not None:
+            reach = time_to_loss([(w, v) for _, w, v in curve], target)
+            steps = time_to_loss([(float(s), v) for s, _, v in curve], target)
         rows[config.label] = {
             "median_step_ms": ms,
             "step_x_torch": ms / torch_ms if ms and torch_ms else None,
@@ -314,6 +317,7 @@ def summarise(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
             "wall_s": [wall for _, wall, _ in curve],
             "time_to_target_s": reach,
             "time_x_torch": reach / torch_time if reach is not None and torch_time else None,
+            "steps_to_target": steps,
             "agree": outcome.agree(), "repeats": len(outcome.repeats),
             "ran": sorted({r["ran"] for r in outcome.repeats} - {""}),
         }
@@ -325,7 +329,7 @@ def table(summary: dict[str, Any]) -> str:
     middle = None
     for label, row in summary["configs"].items():
         if not row["val_loss"]:
-            rows.append([label, "failed", *["-"] * 7])
+            rows.append([label, "failed", *["-"] * 8])
             continue
         losses = row["val_loss"]
         middle = losses[len(losses) // 2]
@@ -336,13 +340,14 @@ def table(summary: dict[str, Any]) -> str:
             f"{middle[1]:.3f}", f"{losses[-1][1]:.3f}",
             "not reached" if reach is None else f"{reach:.1f}",
             f"{row['time_x_torch']:.2f}" if row["time_x_torch"] is not None else "-",
+            "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}",
             ", ".join(row["ran"]) or "-", "yes" if row["agree"] else "NO",
         ])
     mid = f"val loss @ {middle[0]}" if middle else "val loss (middle)"
     target = summary["target_loss"]
     reach = f"s to {target:.3f}" if target is not None else "s to torch's final loss"
     header = ["configuration", "median step ms", "× torch DDP", mid, "final val loss", reach,
-              "× torch DDP", "commd ran at the end", "ranks agree"]
+              "× torch DDP", "steps to it", "commd ran at the end", "ranks agree"]
     return ddp_compare.markdown_table(header, rows)
 
 
@@ -380,6 +385,11 @@ def to_json(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
             for config, outcome in outcomes.items()}
 
 
+COLOURS = {"torch DDP": "black", "torch DDP + PowerSGD": "tab:orange",
+           "commd dense": "tab:blue", "commd topk:auto": "tab:green",
+           "commd topk:auto:momentum=0.9": "tab:red", "single process (no DDP)": "grey"}
+
+
 def plot(path: str, result: dict[str, Any]) -> None:
     import matplotlib
 
@@ -390,30 +400,35 @@ def plot(path: str, result: dict[str, Any]) -> None:
     if not rates:
         print(f"  nothing to plot: {path} not written")
         return
-    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.4 * len(rates), 4.8), squeeze=False)
     for ax, (rate, data) in zip(axes[0], rates.items(), strict=True):
         summary = data["summary"]
+        later: list[float] = []  # the losses after the first evaluation set the y range
         for label, row in summary["configs"].items():
             if not row["val_loss"]:
                 continue
-            single = label.startswith("single")
-            ax.plot(row["wall_s"], [loss for _, loss in row["val_loss"]],
-                    ":" if single else "--" if label.startswith("torch") else "-",
-                    marker=".", label=label, color="grey" if single else None, linewidth=1.3)
+            losses = [loss for _, loss in row["val_loss"]]
+            later += losses[1:]
+            style = ":" if label.startswith("single") else "--" if label == "torch DDP" else "-"
+            ax.plot(row["wall_s"], losses, style, marker=".", label=label,
+                    color=COLOURS.get(label), linewidth=1.4)
         if summary["target_loss"] is not None:
             ax.axhline(summary["target_loss"], color="black", linewidth=0.6, alpha=0.5)
+        if later:
+            ax.set_ylim(min(later) - 0.05, max(later) + 0.15)
         ax.set_title("loopback" if rate == "loopback" else f"2 nodes at {rate}")
         ax.set_xlabel("wall time of training (s), evaluation excluded")
         ax.set_ylabel("validation loss (nats per byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = result["settings"]
-    fig.text(0.5, 0.01, f"byte-level transformer ({s['model']['parameters'] / 1e6:.1f} M "
-             f"parameters) on the Python stdlib, batch {s['batch_per_rank']}×"
+    fig.text(0.5, 0.005, f"byte-level transformer ({s['model']['parameters'] / 1e6:.1f} M "
+             f"parameters) on the Python standard library, batch {s['batch_per_rank']}×"
              f"{s['model']['context']} bytes per rank, SGD lr {s['optimizer']['lr']} momentum "
-             f"{MOMENTUM}; means of {s['repeats']} repeat(s); thin line: torch DDP's final "
-             f"validation loss", ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+             f"{MOMENTUM}, {s['steps']} steps;\nmeans of {s['repeats']} repeat(s); thin line: "
+             f"torch DDP's final validation loss (the target); the first evaluation (step 0) "
+             f"lies above the axes", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"  picture: {path}")
@@ -436,7 +451,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of every configuration, alternating; the table shows the mean "
                         "curve and the median step over them (default 2)")
-    p.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
+    p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
     p.add_argument("--eval-every", type=int, default=15,
                    help="steps between validation evaluations; also at the last step "
                         "(default 15)")
