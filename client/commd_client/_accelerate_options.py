@@ -1,26 +1,22 @@
 """What commd's ``Accelerator`` is given, checked before Accelerate sets anything up.
 
-Three kinds of input: commd's own keywords (``compression``, ``planner``, ``socket``,
-``coordinator``, ``job``, ``commd_timeout``), the ``DistributedDataParallelKwargs`` handler
-Accelerate turns into torch DDP's keywords, and the plugins of the parallelisms commd cannot
-stand in for (FSDP, DeepSpeed, Megatron-LM, tensor parallelism). Each failure is a
-``CommdError`` (a ``CommdTypeError`` or ``CommdValueError`` where the value is of the wrong
-kind or out of range) naming the argument, raised before a process group or daemon
-connection exists, so a misconfigured script fails on every rank alike and at once, also
-when it runs as a single process.
+Two kinds of input besides commd's own keywords (``_framework_options``): the
+``DistributedDataParallelKwargs`` handler Accelerate turns into torch DDP's keywords, and the
+plugins of the parallelisms commd cannot stand in for (FSDP, DeepSpeed, Megatron-LM, tensor
+parallelism). Each failure is a ``CommdError`` (a ``CommdTypeError`` or ``CommdValueError``
+where the value is of the wrong kind or out of range) naming the argument, raised before a
+process group or daemon connection exists, so a misconfigured script fails on every rank alike
+and at once, also when it runs as a single process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
-
-from . import env
 
 # Accelerate's constructor arguments that select a parallelism other than data parallelism.
 REFUSED_PLUGINS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin",
@@ -31,45 +27,6 @@ _HOOKS = (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16,
           DDPCommunicationHookType.BF16)
 _BOOL_FIELDS = ("broadcast_buffers", "find_unused_parameters", "check_reduction",
                 "gradient_as_bucket_view", "static_graph")
-
-
-@dataclass(frozen=True)
-class CommdKeywords:
-    """commd's keywords of the Accelerator, as ``commd_client.torch.DistributedDataParallel``
-    takes them; None: the wrapper's default (the environment, then its built-in default)."""
-
-    compression: str | None = None
-    planner: str | None = None
-    socket: str | None = None
-    coordinator: str | None = None
-    timeout: float | None = None
-    job: str | None = None
-
-    def for_ddp(self) -> dict[str, Any]:
-        """The keywords to pass on: only those given, so the wrapper's defaults stay its own."""
-        given = {"compression": self.compression, "planner": self.planner, "socket": self.socket,
-                 "coordinator": self.coordinator, "timeout": self.timeout, "job": self.job}
-        return {name: value for name, value in given.items() if value is not None}
-
-
-def commd_keywords(*, compression: Any, planner: Any, socket: Any, coordinator: Any, job: Any,
-                   commd_timeout: Any) -> CommdKeywords:
-    """The keywords checked for their kind (and the timeout for its range); what a string
-    means (a compression spec, a planner name) is the daemon's to judge, at registration."""
-    texts = {"compression": compression, "planner": planner, "socket": socket,
-             "coordinator": coordinator, "job": job}
-    for name, value in texts.items():
-        if value is not None and not isinstance(value, str):
-            raise CommdTypeError(f"commd: Accelerator({name}={value!r:.60}): {name} must be "
-                                 f"a string, not {type(value).__name__}")
-    timeout = None
-    if commd_timeout is not None:
-        try:
-            timeout = env.timeout(commd_timeout)
-        except CommdError as error:
-            raise CommdValueError(f"commd: Accelerator(commd_timeout={commd_timeout!r:.40}): "
-                                  f"{str(error).removeprefix('commd: ')}") from None
-    return CommdKeywords(compression, planner, socket, coordinator, timeout, job)
 
 
 def refuse_plugins(arguments: Mapping[str, Any]) -> None:

@@ -41,7 +41,8 @@ from accelerate.utils import DistributedType
 
 from commd_protocol import CommdError
 
-from ._accelerate_options import CommdKeywords, check_ddp_kwargs, commd_keywords, refuse_plugins
+from ._accelerate_options import check_ddp_kwargs, refuse_plugins
+from ._framework_options import commd_keywords
 from .torch import DistributedDataParallel
 
 __all__ = ["Accelerator", "CommdError"]
@@ -75,9 +76,9 @@ class Accelerator(accelerate.Accelerator):
     ) -> None:
         # Everything is checked before accelerate initialises a process group, so a bad
         # argument fails every rank the same way, at once.
-        self._commd: CommdKeywords = commd_keywords(
-            compression=compression, planner=planner, socket=socket, coordinator=coordinator,
-            job=job, commd_timeout=commd_timeout)
+        self._commd: dict[str, Any] = commd_keywords(
+            "Accelerator", compression=compression, planner=planner, socket=socket,
+            coordinator=coordinator, job=job, commd_timeout=commd_timeout)
         arguments = _STOCK_SIGNATURE.bind(self, *args, **kwargs).arguments
         refuse_plugins(arguments)
         check_ddp_kwargs(arguments.get("kwargs_handlers"))
@@ -121,7 +122,7 @@ class Accelerator(accelerate.Accelerator):
         with contextlib.suppress(AttributeError):
             del prepared._is_accelerate_prepared
         keywords = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
-        wrapped = DistributedDataParallel(prepared, **keywords, **self._commd.for_ddp())
+        wrapped = DistributedDataParallel(prepared, **keywords, **self._commd)
         if self.ddp_handler is not None:
             self.ddp_handler.register_comm_hook(wrapped)  # fp16 / bf16 only (checked at init)
         wrapped._is_accelerate_prepared = True  # type: ignore[assignment]  # as accelerate's

@@ -36,7 +36,7 @@ from torch.nn import Module
 
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
 
-from . import env
+from ._framework_options import commd_keywords
 from ._torch_common import GPU_MESSAGE
 from ._torch_hooks import wire_dtype
 from .torch import DistributedDataParallel
@@ -102,8 +102,8 @@ class CommdDDPStrategy(DDPStrategy):
             )
         _refuse_unsupported(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper,
                             model_averaging_period, process_group_backend)
-        options = _commd_options(
-            compression=compression, planner=planner, socket=socket,
+        options = commd_keywords(
+            "CommdDDPStrategy", compression=compression, planner=planner, socket=socket,
             coordinator=coordinator, job=job, commd_timeout=commd_timeout,
         )
         super().__init__(
@@ -185,34 +185,6 @@ def _refuse_unsupported(state: object | None, hook: Callable[..., Any] | None,
             f"commd: process_group_backend={backend!r}; commd's wrapper runs on the CPU with "
             "a Gloo process group: leave it unset or pass 'gloo'"
         )
-
-
-def _commd_options(*, compression: str | None, planner: str | None, socket: str | None,
-                   coordinator: str | None, job: str | None,
-                   commd_timeout: float | None) -> dict[str, Any]:
-    """The options given, type-checked now; their values are the daemon's to judge (it owns
-    the compression and planner grammars), as for the wrapper itself."""
-    texts = {"compression": compression, "planner": planner, "socket": socket,
-             "coordinator": coordinator, "job": job}
-    options: dict[str, Any] = {}
-    for name, value in texts.items():
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value.strip():
-            raise CommdTypeError(
-                f"commd: CommdDDPStrategy({name}=...) must be a non-empty string, got "
-                f"{value!r} ({type(value).__name__})"
-            )
-        options[name] = value
-    if commd_timeout is not None:
-        try:
-            options["timeout"] = env.timeout(commd_timeout)
-        except CommdError:
-            raise CommdValueError(
-                "commd: CommdDDPStrategy(commd_timeout=...) must be a positive number of "
-                f"seconds, got {commd_timeout!r}"
-            ) from None
-    return options
 
 
 CommdDDPStrategy.register_strategies(StrategyRegistry)
