@@ -28,7 +28,6 @@ import. 2 ranks on CPU (``DistributedType.MULTI_CPU``, Gloo), real ``commd run``
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from accelerate.utils import (  # after the skip
 )
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
+from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 from commd_client.accelerate import Accelerator
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
@@ -90,12 +90,6 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon
     """Two real `commd run` daemons on 127.0.0.1, stopped after the last test."""
     with gloo_daemons(tmp_path_factory.mktemp("accelerate-daemons")) as started:
         yield started
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_worker(impl: str, launch: str, daemons: int, nodes: list[LocalDaemon], out: Path,

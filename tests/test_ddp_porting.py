@@ -47,7 +47,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import pytest
 import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
+from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 
 SCRIPTS = Path(__file__).with_name("ddp_scripts")
@@ -108,12 +108,6 @@ def runs(request: pytest.FixtureRequest, nodes: list[LocalDaemon],
     launch = str(request.param)
     return {impl: run_scenarios(launch, impl, nodes, tmp_path_factory.mktemp(f"{launch}-{impl}"))
             for impl in ("torch", "commd")}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_scenarios(launch: str, impl: str, nodes: list[LocalDaemon], out: Path) -> Run:

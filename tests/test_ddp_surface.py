@@ -21,7 +21,6 @@ the tests compare the two per rank (parameters and buffers to 1e-5):
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
+from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, kill_all
 
 WORKER = Path(__file__).with_name("ddp_surface_worker.py")
@@ -42,12 +42,6 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "COMMD_SOCKET", "COMMD_COORDINATOR")
 
 pytestmark = pytest.mark.timeout(int(RUN_TIMEOUT_S) + 60)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

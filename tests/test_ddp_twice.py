@@ -20,7 +20,6 @@ by an inplace operation" (rank 0, the source, copies nothing and never saw it).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
+from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 
 SCRIPT = Path(__file__).with_name("ddp_twice_worker.py")
@@ -59,12 +59,6 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalDaemon
     """Two real `commd run` daemons on 127.0.0.1, stopped after the last test."""
     with gloo_daemons(tmp_path_factory.mktemp("twice-daemons")) as started:
         yield started
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_script(launch: str, daemons: int, impl: str, nodes: list[LocalDaemon], out: Path,

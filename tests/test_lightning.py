@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -57,6 +56,7 @@ pytest.importorskip("lightning")
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from commd.testing.daemons import LocalDaemon, commd_segments, gloo_daemons
+from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 from commd_client import CommdError
 
@@ -74,12 +74,6 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 pytestmark = pytest.mark.timeout(int(4 * RUN_TIMEOUT_S) + 60)
 
 Records = dict[tuple[str, str], list[dict[str, Any]]]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_worker(launch: str, strategy: str, phases: str, nodes: list[LocalDaemon],

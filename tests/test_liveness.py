@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from commd.testing.ports import free_port
 from commd.testing.processes import kill_all
 
 from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
@@ -74,12 +74,6 @@ def test_a_stopped_coordinator_fails_every_rank_naming_it(start_daemon) -> None:
     for result in results[:2]:
         assert f"the daemon at {nodes[0].socket} has sent nothing" in result.get("error", ""), \
             result
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.timeout(60)
