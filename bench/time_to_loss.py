@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from commd.compression.topk import parse_compression
+from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, start_json_worker
 from commd.testing.provenance import provenance
 
@@ -222,7 +223,7 @@ def run_job(config: Config, nodes: Sequence[ddp_compare.Node], args: argparse.Na
     the ranks' final parameters agree."""
     loopback = nodes[0].host == "127.0.0.1"
     count = next(_JOBS)
-    port = ddp_compare.free_port() if loopback else 29000 + (os.getpid() + count) % 1000
+    port = free_port() if loopback else 29000 + (os.getpid() + count) % 1000
     job = f"ttl-{tag}-{config.impl}-{os.getpid()}-{count}"
     used = nodes[:config.ranks]
     processes = []
@@ -511,6 +512,12 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Config]:
     return configs
 
 
+def save(path: str, result: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -534,10 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarise(outcomes)
         result["rates"][rate] = {"summary": summary, "runs": to_json(outcomes)}
         print(f"\n{rate}:\n{table(summary)}\n", flush=True)
-    result["took_s"] = round(time.monotonic() - started)
+        result["took_s"] = round(time.monotonic() - started)
+        save(args.json, result)  # after every rate, so a later failure keeps this one
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"  every curve and step: {args.json}")
     if args.plot:
         plot(args.plot, result)
