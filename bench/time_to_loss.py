@@ -16,18 +16,20 @@ Configurations (``--configs``), run alternately (ABC…ABC…), ``--repeats`` ti
 - ``single``: one process without DDP on rank 0's batches: the compute-only limit of a step;
   its curve is what one node alone learns in the same wall time (half the data per step).
 
-Every rank trains with SGD (lr ``--lr``, momentum 0.9) on its own stream of random windows; both
+Every rank trains with SGD (lr ``--lr`` after ``--warmup`` steps of linear warm-up, momentum
+0.9; docs/benchmarks.md says why) on its own stream of random windows; both
 ranks evaluate the validation loss on fixed held-out windows every ``--eval-every`` steps, and
 the clock stops while they do: the wall time is rank 0's training time only. Per rate it
 prints a Markdown table: median step time (× torch DDP), validation loss at the middle and last
-evaluation, and the wall time to reach torch DDP's final validation loss (× torch DDP's; "not
-reached" when the curve never gets there), all from the mean over the repeats. Everything,
-every curve and the provenance, goes to ``--json``; ``--plot`` draws validation loss against
-wall time, one panel per rate.
+evaluation, and the wall time and steps to reach torch DDP's final validation loss (× torch
+DDP's; "not reached" when the curve never gets there), all from the mean over the repeats.
+Everything, every curve and the provenance, goes to ``--json``; ``--plot`` draws validation
+loss against wall time, one panel per rate.
 
     python bench/time_to_loss.py                        # the headline: 1gbit and 100mbit (root)
-    python bench/time_to_loss.py --rates loopback       # no namespaces, no root
-    python bench/time_to_loss.py --rates 1gbit --configs torch,commd:topk:auto --steps 60
+    python bench/time_to_loss.py --rates loopback --json /tmp/ttl.json   # no root
+    python bench/time_to_loss.py --rates 1gbit --configs torch,commd:topk:auto --steps 60 \
+        --json /tmp/ttl.json      # --json: not over the committed result
 """
 
 from __future__ import annotations
