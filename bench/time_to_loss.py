@@ -28,8 +28,9 @@ loss against wall time, one panel per rate.
 
     python bench/time_to_loss.py                        # the headline: 1gbit and 100mbit (root)
     python bench/time_to_loss.py --rates loopback --json /tmp/ttl.json   # no root
-    python bench/time_to_loss.py --rates 1gbit --configs torch,commd:topk:auto --steps 60 \
-        --json /tmp/ttl.json      # --json: not over the committed result
+    python bench/time_to_loss.py --rates 1gbit --configs torch,commd:topk:auto --json /tmp/t.json
+
+(``--json`` elsewhere: runs that are not the headline do not replace the committed result.)
 """
 
 from __future__ import annotations
