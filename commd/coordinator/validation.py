@@ -17,6 +17,7 @@ from commd_protocol.checks import (
     layers_problem,
     layout_problem,
     ranks_problem,
+    tolerance_problem,
 )
 from commd_protocol.dtypes import itemsize
 from commd_protocol.limits import MAX_LOCAL_RANKS, count_problem, ranks_bound_problem
@@ -37,7 +38,8 @@ MAX_COMM_SECONDS = 1e6  # a collective timed at over 11 days is no measurement
 # What coordinators send (to the daemons of their jobs, on links those daemons opened): on a
 # coordinator's own peer port they mean nothing, so they are refused from their tag alone,
 # before the body is decoded (a plan's million one-layer groups would cost the loop that).
-NOT_FOR_A_COORDINATOR = frozenset({"peer_setup", "peer_plan", "peer_status"})
+NOT_FOR_A_COORDINATOR = frozenset({"peer_setup", "peer_plan", "peer_status", "peer_reform",
+                                   "peer_resume"})
 
 
 
@@ -65,7 +67,9 @@ def join_problem(join: PeerJoin, limits: JoinLimits = JoinLimits()) -> tuple[str
                 f"{MAX_LOCAL_RANKS}"), ErrorCode.INVALID
     problem = (job_id_problem(join.job) or ranks_bound_problem("world_size", join.world_size)
                or ranks_problem(join.ranks, join.world_size)
-               or layout_problem(join.dtype, join.op, join.device) or layers_problem(join.layers))
+               or layout_problem(join.dtype, join.op, join.device) or layers_problem(join.layers)
+               or tolerance_problem(join.fault_tolerance, join.min_world_size, join.world_size,
+                                    join.device))
     if problem:
         return problem, ErrorCode.INVALID
     nbytes = sum(layer.size for layer in join.layers) * itemsize(join.dtype)

@@ -98,7 +98,8 @@ class Job:
         if not message.planner:
             message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
         validation.check_register(message, self.ctx,
-                                  several_nodes=self.world_size > self.local_world_size)
+                                  several_nodes=self.world_size > self.local_world_size,
+                                  world_size=self.world_size)
         total = sum(layer.size for layer in message.layers)
         try:
             self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s, host_fd)

@@ -75,7 +75,8 @@ def join_request(job: str, world_size: int, members: Members, host: str) -> Peer
         protocol=PROTOCOL_VERSION, job=job, ranks=sorted(r.rank for r in members.ranks.values()),
         world_size=world_size, layers=reg.layers, dtype=reg.dtype, op=reg.op,
         planner=reg.planner, compression=reg.compression, profile=reg.profile, host=host,
-        device=reg.device,
+        device=reg.device, fault_tolerance=reg.fault_tolerance,
+        min_world_size=reg.min_world_size,
     )
 
 

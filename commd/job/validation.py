@@ -16,7 +16,13 @@ from commd.job.state import JobContext, JobError
 from commd.plan import validate_plan
 from commd_protocol import PROTOCOL_VERSION, ErrorCode, Hello, PeerPlan, PeerSetup, Register
 from commd_protocol.address import split_host_port
-from commd_protocol.checks import finite, job_id_problem, layers_problem, layout_problem
+from commd_protocol.checks import (
+    finite,
+    job_id_problem,
+    layers_problem,
+    layout_problem,
+    tolerance_problem,
+)
 from commd_protocol.dtypes import itemsize
 from commd_protocol.limits import (
     MAX_BYTE_OFFSET,
@@ -65,7 +71,8 @@ def check_hello(hello: Hello) -> None:
         raise JobError(f"coordinator must be HOST:PORT, got {hello.coordinator!r}") from None
 
 
-def check_register(message: Register, context: JobContext, *, several_nodes: bool) -> None:
+def check_register(message: Register, context: JobContext, *, several_nodes: bool,
+                   world_size: int = 1) -> None:
     """Refuse a registration that cannot be served (its planner is filled in already);
     ``several_nodes``: the job spans nodes, so an engine must take its buffers."""
     problem = register_integers_problem(message) or buffers.check_fields(message)
@@ -77,7 +84,9 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
         except ValueError as exc:
             raise JobError(str(exc)) from None
     problem = (layout_problem(message.dtype, message.op, message.device)
-               or layers_problem(message.layers))
+               or layers_problem(message.layers)
+               or tolerance_problem(message.fault_tolerance, message.min_world_size,
+                                    world_size, message.device))
     if problem:
         raise JobError(problem)
     check_limits(message, context)

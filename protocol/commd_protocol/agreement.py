@@ -25,6 +25,10 @@ def describe_difference(a: Register | PeerJoin, b: Register | PeerJoin) -> str:
         return f"buffers on {a.device} vs {b.device}"
     if a.profile != b.profile:
         return f"profile {a.profile} vs {b.profile}"
+    if a.fault_tolerance != b.fault_tolerance:
+        return f"fault_tolerance {a.fault_tolerance!r} vs {b.fault_tolerance!r}"
+    if a.min_world_size != b.min_world_size:
+        return f"min_world_size {a.min_world_size} vs {b.min_world_size}"
     for index, (left, right) in enumerate(zip(a.layers, b.layers, strict=False)):
         if left != right:
             return (

@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from .limits import MAX_LAYER_ELEMENTS
-from .messages import DEVICES, DTYPES, OPS, Layer
+from .messages import DEVICES, DTYPES, FAULT_TOLERANCE, OPS, Layer
 
 JOB_ID = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
 MAX_NAME_CHARS = 1024  # a layer name; PyTorch's longest parameter paths are ~200
@@ -46,6 +46,20 @@ def layout_problem(dtype: str, op: str, device: str) -> str:
         return f"unsupported op {op!r}; use one of {', '.join(OPS)}"
     if device not in DEVICES:
         return f"unsupported device {device!r}; use one of {', '.join(DEVICES)}"
+    return ""
+
+
+def tolerance_problem(fault_tolerance: str, min_world_size: int, world_size: int,
+                      device: str) -> str:
+    """'' when a job's fault-tolerance options can be served, else what is wrong."""
+    if fault_tolerance not in FAULT_TOLERANCE:
+        return (f"unsupported fault_tolerance {fault_tolerance[:40]!r}; use one of "
+                f"{', '.join(FAULT_TOLERANCE)}")
+    if not 1 <= min_world_size <= max(1, world_size):
+        return f"min_world_size {min_world_size} must be between 1 and the world size {world_size}"
+    if fault_tolerance == "continue" and device != "cpu":
+        return ('fault_tolerance="continue" serves host (CPU) buffers only for now; '
+                "GPU jobs fail as with \"fail\"")
     return ""
 
 

@@ -57,6 +57,10 @@ class Register(_Msg, tag="register"):
     planner: str = ""  # "" = the daemon's default (optimal unless configured)
     compression: str = "none"
     profile: bool = True  # False: no network probe, no profiling rounds (short helper jobs)
+    # FAULT_TOLERANCE: "fail" (torch's semantics: a lost rank fails the job) or "continue"
+    # (the survivors go on in a new membership epoch while at least min_world_size ranks live)
+    fault_tolerance: str = "fail"
+    min_world_size: int = 1
     # --- a device buffer (device == "cuda"); sent once, here ---
     device: str = "cpu"  # one of DEVICES
     device_bus_id: str = ""  # PCI bus id of the rank's GPU: indices differ between processes
@@ -123,6 +127,9 @@ class Registered(_Msg, tag="registered"):
     # event; recorded before every ``done``, the client's stream waits on it
 
 
+FAULT_TOLERANCE = ("fail", "continue")
+
+
 class Done(_Msg, tag="done"):
     iteration: int
     plan: int = 0  # version of the merge plan this iteration ran with
@@ -131,6 +138,12 @@ class Done(_Msg, tag="done"):
     # been told them yet; a hint for batching ready marks, never needed for correctness
     dense: bool = False  # every group of this iteration ran dense (no top-k): the same on
     # every node, since all switch plans at one iteration; False where unknown (old daemons)
+    # fault_tolerance="continue": the membership epoch the iteration ran in (0: the first),
+    # and, when it differs from the one this rank was last told, that epoch's ranks (the
+    # ranks whose gradients the iteration holds) and what changed, in words
+    epoch: int = 0
+    members: list[int] | None = None
+    change: str = ""
 
 
 class Error(_Msg, tag="error"):

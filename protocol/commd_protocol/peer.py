@@ -34,6 +34,10 @@ class PeerJoin(_Msg, tag="peer_join"):
     compression: str = "none"
     profile: bool = True
     device: str = "cpu"  # where the node's buffers live: every node must agree (one engine)
+    # "continue": a lost node costs the job a membership epoch, not its life (docs/
+    # fault-tolerance.md); every node must agree, as on the smallest world it goes on with.
+    fault_tolerance: str = "fail"
+    min_world_size: int = 1
 
 
 class PeerSetup(_Msg, tag="peer_setup"):
@@ -162,5 +166,53 @@ def describe_unmarked(rows: list[tuple[int, str, int, str, float]]) -> str:
     return f"{'; '.join(parts)}{more}; check {which} (stopped? stuck in data loading?)"
 
 
+class PeerReform(_Msg, tag="peer_reform"):
+    """The coordinator to each surviving node of a ``fault_tolerance="continue"`` job: the job
+    moves to membership epoch ``epoch``. Stop the data plane (abandon the collective in
+    flight) and answer with a ``PeerReformState``."""
+
+    job: str
+    epoch: int
+    change: str  # what changed, in words: the lost node(s), their ranks, why
+
+
+class PeerReformState(_Msg, tag="peer_reform_state"):
+    """A node to its coordinator: it stopped for ``epoch``; where its iteration stands."""
+
+    job: str
+    epoch: int
+    delivered: int  # iterations whose results went to this node's ranks
+    # iteration ``delivered`` finished every group and waited only for the job-wide commit:
+    # its results are whole on this node
+    committing: bool = False
+
+
+class PeerResume(_Msg, tag="peer_resume"):
+    """The coordinator to each surviving node: the new epoch's place, and the iteration every
+    node runs next (a node whose ``delivered`` is one less delivers its committed results
+    first; a node that had begun ``iteration`` runs it again among the new members)."""
+
+    job: str
+    epoch: int
+    node_index: int
+    nodes: int
+    store_port: int
+    store_prefix: str
+    members: list[int]  # the ranks of the new epoch, sorted
+    iteration: int
+    change: str = ""
+
+
+class PeerFault(_Msg, tag="peer_fault"):
+    """A node of a ``fault_tolerance="continue"`` job to its coordinator: a collective of
+    ``epoch`` failed (a peer vanished?); the node has stopped its data plane and waits for
+    the coordinator's reform."""
+
+    job: str
+    epoch: int
+    message: str
+
+
 PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
-               | PeerHeartbeat | PeerStatus)
+               | PeerHeartbeat | PeerStatus | PeerReform | PeerReformState | PeerResume
+               | PeerFault)
