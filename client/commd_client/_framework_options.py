@@ -6,10 +6,14 @@ apart from the frameworks' own ``timeout``, which is the process group's). They 
 for their kind here, before the framework sets anything up, so a misconfigured script fails
 on every rank alike and at once; what a string means (a compression spec, a planner name) is
 the daemon's to judge, at registration, as for ``commd_client.torch.DistributedDataParallel``.
+``fault_tolerance`` and ``min_world_size`` are checked in full here (their accepted values are
+the client's); ``min_world_size``'s upper bound, the world size, waits for the wrapper.
 """
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Callable
 from typing import Any
 
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
@@ -18,7 +22,8 @@ from . import env
 
 
 def commd_keywords(owner: str, *, compression: Any, planner: Any, socket: Any,
-                   coordinator: Any, job: Any, commd_timeout: Any) -> dict[str, Any]:
+                   coordinator: Any, job: Any, commd_timeout: Any,
+                   fault_tolerance: Any = None, min_world_size: Any = None) -> dict[str, Any]:
     """The keywords to hand to commd's wrapper: only those given (the wrapper's defaults, from
     the environment, stay its own), ``commd_timeout`` as the wrapper's ``timeout``. ``owner``
     names the class in errors (``"Accelerator"``)."""
@@ -42,4 +47,26 @@ def commd_keywords(owner: str, *, compression: Any, planner: Any, socket: Any,
                 f"commd: {owner}(commd_timeout={commd_timeout!r:.40}): "
                 f"{str(error).removeprefix('commd: ')}"
             ) from None
+    if fault_tolerance is not None:
+        given["fault_tolerance"] = _owned(owner, env.fault_tolerance, fault_tolerance)
+    if min_world_size is not None:
+        given["min_world_size"] = _owned(owner, _positive_int, min_world_size)
     return given
+
+
+def _positive_int(value: Any) -> int:
+    """``min_world_size`` before the world size is known: an int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CommdTypeError(f"commd: min_world_size must be an int, got "
+                             f"{type(value).__name__} {value!r:.40}")
+    if value < 1:
+        raise CommdValueError(f"commd: min_world_size={value} must be at least 1")
+    return int(value)
+
+
+def _owned(owner: str, check: Callable[[Any], Any], value: Any) -> Any:
+    """``check(value)``, its typed error prefixed with the class the keyword was given to."""
+    try:
+        return check(value)
+    except CommdError as error:
+        raise type(error)(f"commd: {owner}: {str(error).removeprefix('commd: ')}") from None

@@ -4,6 +4,11 @@ rank 0's values broadcast through a small commd job.
 The Client has no broadcast; a job with op="sum" where rank 0 writes its values and every
 other rank zeros is one (x + 0 + … + 0 == x exactly). float64 carries every value exactly:
 all floating dtypes up to 64 bits, bool, and integers up to 2**53.
+
+Under ``fault_tolerance="continue"`` only the jobs that live as long as training (the
+gradients and the per-forward buffer broadcast) take it; the jobs of the constructor
+(``.init``, ``.order``) and of the end of a join (``.final*``) form while every rank is there
+and keep failing as torch does.
 """
 
 from __future__ import annotations
@@ -42,9 +47,13 @@ class Endpoint(env.Identity):
     environment), and their timeout."""
 
     timeout: float = 300.0
+    fault_tolerance: str = "fail"
+    min_world_size: int = 1
 
-    def open(self, suffix: str = "") -> Client:
-        """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job)."""
+    def open(self, suffix: str = "", tolerant: bool = True) -> Client:
+        """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job);
+        ``tolerant=False`` for a job that fails on a lost rank whatever the wrapper's
+        ``fault_tolerance``."""
         return Client(
             job=self.job + suffix,
             rank=self.rank,
@@ -54,6 +63,8 @@ class Endpoint(env.Identity):
             coordinator=self.coordinator,
             socket=self.socket,
             timeout=self.timeout,
+            fault_tolerance=self.fault_tolerance if tolerant else "fail",
+            min_world_size=self.min_world_size if tolerant else 1,
         )
 
 
@@ -97,15 +108,19 @@ class Broadcaster:
     """One rank's tensors to every rank, through job ``<job><suffix>`` (float64, op sum).
 
     One layer per tensor, named as in the module: ranks whose modules differ get the
-    coordinator's CommdError naming the first differing tensor.
+    coordinator's CommdError naming the first differing tensor. ``tolerant``: the job takes
+    the endpoint's ``fault_tolerance`` (the per-forward buffer broadcast); otherwise it fails
+    on a lost rank.
     """
 
     def __init__(
-        self, endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]]
+        self, endpoint: Endpoint, suffix: str, named: Sequence[tuple[str, torch.Tensor]],
+        tolerant: bool = False,
     ) -> None:
         self.rank = endpoint.rank
         self.names = [name for name, tensor in named if tensor.numel() > 0]
-        self.client = endpoint.open(suffix)
+        self.client = endpoint.open(suffix, tolerant)
+        self.client.membership.log = False  # the gradient job's client reports changes
         try:
             sizes = {name: tensor.numel() for name, tensor in named}
             self.arrays = self.client.register(
@@ -119,21 +134,35 @@ class Broadcaster:
 
     def run(self, named: Sequence[tuple[str, torch.Tensor]], source: int = 0) -> None:
         """Overwrite every rank's tensors (same names as at construction) with those of rank
-        ``source`` (0, or whom torch's Join agreed on)."""
+        ``source`` (0, or whom torch's Join agreed on); a source no longer in the job's
+        membership (fault_tolerance="continue") gives way to the lowest live rank."""
         tensors = dict(named)
         with torch.no_grad():
-            for name, array in zip(self.names, self.arrays, strict=True):
-                if self.rank == source:
-                    _check_exact(name, tensors[name])
-                    torch.from_numpy(array).copy_(tensors[name].detach().reshape(-1))
-                else:
-                    array.fill(0.0)
-            self.client.ready(range(len(self.arrays)))
-            self.client.wait()
+            members = self.client.members
+            source = source if source in members else min(members)
+            epoch = self.client.epoch
+            self._exchange(tensors, source)
+            # A source lost during the exchange contributed nothing: the survivors summed
+            # zeros. Every survivor sees the same new epoch with the same iteration, so all
+            # agree on the new source and exchange again; nothing was copied out yet.
+            while self.client.epoch != epoch and source not in self.client.members:
+                epoch, source = self.client.epoch, min(self.client.members)
+                self._exchange(tensors, source)
             if self.rank != source:
                 for name, array in zip(self.names, self.arrays, strict=True):
                     target = tensors[name]
                     target.copy_(torch.from_numpy(array).view(target.shape))
+
+    def _exchange(self, tensors: dict[str, torch.Tensor], source: int) -> None:
+        """One iteration of the job: ``source`` writes its values, everyone else zeros."""
+        for name, array in zip(self.names, self.arrays, strict=True):
+            if self.rank == source:
+                _check_exact(name, tensors[name])
+                torch.from_numpy(array).copy_(tensors[name].detach().reshape(-1))
+            else:
+                array.fill(0.0)
+        self.client.ready(range(len(self.arrays)))
+        self.client.wait()
 
     def close(self) -> None:
         self.client.close()

@@ -27,6 +27,7 @@ from commd_protocol import (
     Welcome,
     error_from_reply,
 )
+from commd_protocol.checks import tolerance_problem
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.layout import backward_offsets
 
@@ -37,6 +38,7 @@ from .connection import Connection
 from .cuda import DeviceBuffer, parse_device
 from .dtypes import numpy_dtype
 from .host_buffer import HostBuffer, buffer_name
+from .membership import Membership
 
 _HELLO_TIMEOUT_S = 10.0
 
@@ -46,7 +48,18 @@ class Client:
 
     Every keyword defaults from the environment as torchrun sets it (RANK, WORLD_SIZE,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR); COMMD_JOB, COMMD_COORDINATOR and COMMD_SOCKET
-    override; ``timeout`` (seconds a call waits) defaults to COMMD_TIMEOUT, else 300.
+    override; ``timeout`` (seconds a call waits) defaults to COMMD_TIMEOUT, else 300. Under one
+    ``torchrun --standalone`` per node, COMMD_NODE_RANK and COMMD_NNODES make the rank and
+    world size global (``env``'s docstring).
+
+    ``fault_tolerance`` (default COMMD_FAULT_TOLERANCE, else ``"fail"``): ``"fail"`` fails
+    every rank with a CommdError when a rank is lost, as torch does; ``"continue"`` lets the
+    survivors go on: ``wait()`` returns normally, ``avg`` divides by the ranks that
+    contributed, and ``epoch``, ``members`` and ``world_size`` follow the new membership (one
+    warning per change on the ``commd_client`` logger) while at least ``min_world_size``
+    (default COMMD_MIN_WORLD_SIZE, else 1; 1..world size) ranks live; below it the job fails
+    as with ``"fail"``. Both are checked before anything connects, and sent with every
+    ``register``. ``initial_world_size`` stays the world size the job formed with.
     """
 
     def __init__(
@@ -59,12 +72,17 @@ class Client:
         coordinator: str | None = None,
         socket: str | None = None,
         timeout: float | None = None,
+        fault_tolerance: str | None = None,
+        min_world_size: int | None = None,
     ) -> None:
         who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
-        self.job, self.rank, self.world_size = who.job, who.rank, who.world_size
+        self.job, self.rank, self.initial_world_size = who.job, who.rank, who.world_size
         self.local_rank, self.local_world_size = who.local_rank, who.local_world_size
         self.coordinator, self.socket = who.coordinator, who.socket
         self.timeout = env.timeout(timeout)  # else COMMD_TIMEOUT, else 300 s
+        self.fault_tolerance = env.fault_tolerance(fault_tolerance)
+        self.min_world_size = env.min_world_size(min_world_size, who.world_size)
+        self.membership = Membership(self.job, who.world_size)
         self.iteration = 0
         self.plan_version = 0  # the merge plan the last iteration ran with
         self.ran_dense = False  # whether every group of it ran dense (False: top-k or unknown)
@@ -92,7 +110,7 @@ class Client:
                 protocol=PROTOCOL_VERSION,
                 job=self.job,
                 rank=self.rank,
-                world_size=self.world_size,
+                world_size=self.initial_world_size,
                 local_rank=self.local_rank,
                 local_world_size=self.local_world_size,
                 coordinator=self.coordinator,
@@ -108,6 +126,22 @@ class Client:
             raise CommdError(f"commd: expected a welcome, got {type(reply).__name__}")
         self.backend = reply.backend
         self._buffer_socket = reply.buffer_socket or buffer_socket_path(self.socket)
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the job has now: the world size it formed with until a rank is lost
+        under ``fault_tolerance="continue"``."""
+        return self.membership.world_size
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch of the last iteration (0 until the membership changes)."""
+        return self.membership.epoch
+
+    @property
+    def members(self) -> list[int]:
+        """The live ranks of the current epoch, ascending (a copy)."""
+        return list(self.membership.members)
 
     def close(self) -> None:
         """Say goodbye, close the socket and release the gradient buffer (idempotent)."""
@@ -165,6 +199,10 @@ class Client:
             raise CommdError("commd: register() was already called on this client")
         layers = check_layers(layers, dtype, op)
         index = None if device == "cpu" else parse_device(device)
+        problem = tolerance_problem(self.fault_tolerance, self.min_world_size,
+                                    self.initial_world_size, "cpu" if device == "cpu" else "cuda")
+        if problem:
+            raise CommdValueError(f"commd: register(device={device!r}): {problem}")
         self._sizes = [size for _, size in layers]
         flat, where = self._allocate(sum(self._sizes), dtype, device == "cpu", index)
         offsets = backward_offsets(self._sizes)
@@ -177,6 +215,8 @@ class Client:
                 planner=planner if planner is not None else env.planner(),
                 compression=compression if compression is not None else env.compression(),
                 profile=profile,
+                fault_tolerance=self.fault_tolerance,
+                min_world_size=self.min_world_size,
                 **where,
             )
         )
@@ -250,7 +290,8 @@ class Client:
             self._connection.send(Ready(layers=layers, sent_at=time.monotonic(), stamps=stamps))
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> None:
-        """Block until every layer holds the sum/avg over all ranks for this iteration.
+        """Block until every layer holds the sum/avg over all ranks for this iteration
+        (under ``fault_tolerance="continue"``: over the ranks of the iteration's epoch).
 
         Device buffers: returns once the daemon has issued the iteration's work; ``stream``
         (None: cupy's current one) then waits on the GPU for its end, so whatever is queued
@@ -277,6 +318,7 @@ class Client:
         self.iteration += 1
         self.plan_version = reply.plan
         self.ran_dense = reply.dense
+        self.membership.observe(reply)
         self._marked.clear()
         self._batch.announce(reply.next_plan, reply.next_groups)
         self._batch.next_iteration()

@@ -24,6 +24,8 @@ What it does, as torch's DDP does:
   autograd's version counters, as in torch (a module called twice before one backward).
 - ``join()`` (torch's ``Join``), ``register_comm_hook`` (fp16/bf16 on the wire).
 - ``reducer`` and ``logger``: what Lightning and Accelerate call on torch's (``_torch_surface``).
+- ``fault_tolerance="continue"`` (commd's own): a lost rank or node costs the survivors a step,
+  not a restart; ``world_size`` and ``members`` follow the live ranks.
 
 CUDA models are refused with a CommdError: the GPU path is not available yet. See docs/ddp.md.
 """
@@ -69,7 +71,14 @@ class DistributedDataParallel(_TorchDDP):
     the daemon keeps the momentum, so build the optimizer without it; without it, top-k under
     ``torch.optim.SGD`` with momentum is momentum-corrected on each rank, the optimizer as it
     is (``_torch_momentum``); default $COMMD_COMPRESSION, else none; with compression every
-    parameter counts as used).
+    parameter counts as used), ``fault_tolerance`` (``"fail"``, torch's semantics: a lost rank
+    fails every rank with a CommdError; ``"continue"``: the survivors complete the step in
+    flight and go on, gradients averaged over the live ranks; default
+    $COMMD_FAULT_TOLERANCE, else ``"fail"``) and ``min_world_size`` (the fewest live ranks
+    that go on, 1..world size; default $COMMD_MIN_WORLD_SIZE, else 1). Fault tolerance
+    covers the gradients and the per-forward buffer broadcast (whose source becomes the
+    lowest live rank when rank 0 is lost); the constructor's broadcasts form while every rank
+    is there. ``world_size`` and ``members`` are the current membership's.
     """
 
     def __init__(  # torch's signature, then commd's keywords
@@ -105,6 +114,8 @@ class DistributedDataParallel(_TorchDDP):
         timeout: float | None = None,
         planner: str | None = None,
         compression: str | None = None,
+        fault_tolerance: str | None = None,
+        min_world_size: int | None = None,
     ) -> None:
         """Long only by torch's signature: the body interprets it, resolves who this rank is,
         installs the hooks and broadcasts rank 0's state."""
@@ -119,11 +130,15 @@ class DistributedDataParallel(_TorchDDP):
         )
         check_cpu(module.named_parameters())
         check_cpu(module.named_buffers())
+        tolerance = env.fault_tolerance(fault_tolerance)  # before any process talks
         self.module = module
         self._torch_attributes(options, dim, find_unused_parameters, static_graph)
         who = resolve(options.process_group, job, rank, world_size, local_rank,
                       local_world_size, coordinator, socket)
-        self.endpoint = Endpoint(**dataclasses.asdict(who), timeout=env.timeout(timeout))
+        self.endpoint = Endpoint(**dataclasses.asdict(who), timeout=env.timeout(timeout),
+                                 fault_tolerance=tolerance,
+                                 min_world_size=env.min_world_size(min_world_size,
+                                                                   who.world_size))
         trained = [
             (name, p) for name, p in module.named_parameters() if p.requires_grad and p.numel()
         ]
@@ -179,9 +194,26 @@ class DistributedDataParallel(_TorchDDP):
         has_buffers = any(buffer.numel() for _, buffer in self.module.named_buffers())
         if self.forward_sync_buffers and has_buffers:
             self._buffers_sync = Broadcaster(
-                self.endpoint, ".buffers", list(self.module.named_buffers())
+                self.endpoint, ".buffers", list(self.module.named_buffers()), tolerant=True
             )
             self._broadcasters.append(self._buffers_sync)
+
+    # --- membership -----------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks train now: the job's world size until a rank is lost under
+        ``fault_tolerance="continue"``, then the current epoch's (re-shard data by it)."""
+        return len(self.members)
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks of the current membership epoch, ascending, as the gradient job last
+        reported them (every rank before the first backward)."""
+        buckets = self._reducer._slots.buckets  # the first is the gradient job ``<job>``
+        if buckets:
+            return buckets[0].client.members
+        return list(range(self.endpoint.world_size))
 
     # --- training -------------------------------------------------------------------------------
 
