@@ -248,8 +248,9 @@ def test_the_wrapper_refuses_bad_options(where: LocalDaemon, monkeypatch: pytest
 
 @pytest.mark.timeout(60)
 def test_only_the_per_step_broadcast_takes_the_tolerance(where: LocalDaemon) -> None:
-    """The constructor's jobs keep failing as torch's; the buffer broadcast continues, and a
-    source that is not a member gives way to the lowest live rank (here the only one)."""
+    """The constructor's jobs keep failing as torch's; the buffer broadcast and the gradient
+    jobs continue, and a broadcast source that is not a member gives way to the lowest live
+    rank (here the only one)."""
     endpoint = Endpoint(**env.resolve(job="ft-broadcast").__dict__, timeout=20.0,
                         fault_tolerance="continue", min_world_size=1)
     values = torch.arange(4, dtype=torch.float32)
@@ -258,6 +259,11 @@ def test_only_the_per_step_broadcast_takes_the_tolerance(where: LocalDaemon) -> 
     try:
         assert construction.client.fault_tolerance == "fail"
         assert per_step.client.fault_tolerance == "continue"
+        # only the gradient job's client warns of a change: once per rank, not per job
+        assert not per_step.client.membership.log
+        with endpoint.open() as gradients, endpoint.open(".grads-float64") as other_dtype:
+            assert gradients.membership.log and not other_dtype.membership.log
+            assert other_dtype.fault_tolerance == "continue"
         per_step.run([("v", values)], source=3)  # rank 3 is no member: rank 0 is the source
         assert values.tolist() == [0.0, 1.0, 2.0, 3.0]
     finally:

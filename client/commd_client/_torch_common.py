@@ -54,7 +54,7 @@ class Endpoint(env.Identity):
         """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job);
         ``tolerant=False`` for a job that fails on a lost rank whatever the wrapper's
         ``fault_tolerance``."""
-        return Client(
+        client = Client(
             job=self.job + suffix,
             rank=self.rank,
             world_size=self.world_size,
@@ -66,6 +66,11 @@ class Endpoint(env.Identity):
             fault_tolerance=self.fault_tolerance if tolerant else "fail",
             min_world_size=self.min_world_size if tolerant else 1,
         )
+        # One warning per membership change per rank: the gradient job's client says it; the
+        # helper jobs beside it (other dtypes' gradients, the buffer broadcast) learn the same
+        # change and stay quiet.
+        client.membership.log = suffix == ""
+        return client
 
 
 def check_cpu(named: Iterable[tuple[str, Any]]) -> None:
@@ -120,7 +125,6 @@ class Broadcaster:
         self.rank = endpoint.rank
         self.names = [name for name, tensor in named if tensor.numel() > 0]
         self.client = endpoint.open(suffix, tolerant)
-        self.client.membership.log = False  # the gradient job's client reports changes
         try:
             sizes = {name: tensor.numel() for name, tensor in named}
             self.arrays = self.client.register(
