@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from commd.coordinator.membership import (
+    Membership,
+    describe_nodes,
+    survivors_order,
+)
 from commd.coordinator.replanner import Decision, Replanner
 from commd.coordinator.validation import (
     JoinLimits,
@@ -32,11 +37,15 @@ from commd.coordinator.watch import JobWatch
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
+    PeerFault,
     PeerHeartbeat,
     PeerJoin,
     PeerLeave,
     PeerPlan,
     PeerProfile,
+    PeerReform,
+    PeerReformState,
+    PeerResume,
     PeerSetup,
     PeerStatus,
 )
@@ -64,6 +73,9 @@ class Formation:
     # Kept as joins come, so that a join is checked in its own size (Coordinator._check):
     rank_hosts: dict[int, str] = field(default_factory=dict)  # rank -> its node's engine host
     lowest: PeerJoin | None = None  # the join holding the lowest rank so far
+    # fault_tolerance="continue": its epochs (None: a lost node fails the job)
+    membership: Membership | None = None
+    store_port: int = 0  # where its engines' rendezvous store listens (0: one node)
 
     @property
     def ranks_joined(self) -> int:
@@ -90,6 +102,10 @@ class Deadlines:
     stall_s: float = 0.0  # a stall this long fails the job (0: never)
 
 
+# A node's abort with one of these means the node is gone from the job (its ranks died, its
+# daemon stops), not that the job is wrong: a tolerant job goes on without it.
+LOSS_CODES = frozenset({ErrorCode.RANK_LOST, ErrorCode.SHUTDOWN, ErrorCode.ENGINE,
+                        ErrorCode.TIMEOUT})
 STATUS_EVERY_S = 2.0  # PeerStatus to every node of every job: liveness, joined ranks, stall
 MAX_FORMING = 256  # jobs forming on this coordinator at a time
 MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
@@ -142,6 +158,10 @@ class Coordinator:
             self._on_leave(node, message)
         elif isinstance(message, PeerProfile):
             self._on_profile(node, message)
+        elif isinstance(message, PeerReformState):
+            self._on_reform_state(node, message)
+        elif isinstance(message, PeerFault):
+            self._on_fault(node, message)
         elif isinstance(message, PeerHeartbeat):
             formation = self._jobs.get(message.job)
             if formation is not None and node in formation.joins:
@@ -218,6 +238,9 @@ class Coordinator:
                                         itemsize=itemsize(first.dtype))
         # The store is reached at the address the first node's engine reaches us by.
         store_port = self._store_port(first.host) if len(order) > 1 else 0
+        formation.store_port = store_port
+        if first.fault_tolerance == "continue":
+            formation.membership = Membership(first.min_world_size)
         prefix = secrets.token_hex(16)  # 128 bits: nobody guesses where the job's keys are
         for index, (node, _join) in enumerate(order):
             self._send(
@@ -245,20 +268,24 @@ class Coordinator:
         if problem:
             self._abort_all(formation, ErrorCode.INVALID, f"a node's report is refused: {problem}")
             return
-        round_reports = formation.reports.setdefault(profile.round, {})
-        round_reports[node] = profile
-        if len(round_reports) < len(formation.joins):
+        formation.reports.setdefault(profile.round, {})[node] = profile
+        self._decide_if_whole(formation, profile.round)
+
+    def _decide_if_whole(self, formation: Formation, round_number: int) -> None:
+        """Once every node of the job has reported ``round_number``, decide its plan."""
+        round_reports = formation.reports[round_number]
+        if len(round_reports) < len(formation.joins) or formation.replanner is None:
             return
-        del formation.reports[profile.round]
+        del formation.reports[round_number]
         work = functools.partial(_checked_decision, formation.replanner,
                                  list(round_reports.values()), self._while_planning)
         if self._planner is None:
-            self._decided(formation, profile.round, work())
+            self._decided(formation, round_number, work())
             return
         # Planning a job of --max-layers layers takes longer than a loop turn may: it runs on
         # the planner thread (one, so a job's rounds are decided in order), the loop serves on.
         future = asyncio.get_running_loop().run_in_executor(self._planner, work)
-        future.add_done_callback(functools.partial(self._planned, formation, profile.round))
+        future.add_done_callback(functools.partial(self._planned, formation, round_number))
 
     def _planned(self, formation: Formation, round_number: int,
                  future: asyncio.Future[Decision | str]) -> None:
@@ -306,6 +333,9 @@ class Coordinator:
         formation = self._jobs.get(abort.job)
         if formation is None or node not in formation.joins:
             return  # only a node of the job may abort it
+        if formation.membership is not None and abort.code in LOSS_CODES:
+            self._lose(formation, [node], abort.message)
+            return
         del self._jobs[abort.job]
         for other in formation.joins:
             if other != node:
@@ -331,12 +361,19 @@ class Coordinator:
         """Every second: deadlines, silent nodes, stalls, and every node's ``PeerStatus``."""
         expired = False
         for formation in list(self._jobs.values()):
+            if formation.membership is not None:
+                unanswered = formation.membership.unanswered(formation.joins, now)
+                if unanswered:
+                    self._lose(formation, unanswered, "its daemon did not answer the reform")
+            if self._jobs.get(formation.job) is not formation:
+                continue  # the loss ended it
             problem, code = self._overdue(formation, now)
             if problem:
                 self._abort_all(formation, code, problem)
                 expired = True
                 continue
-            self._tell_status(formation, now)
+            if self._jobs.get(formation.job) is formation:  # a loss may have ended it
+                self._tell_status(formation, now)
         if expired:
             _give_back_memory()
 
@@ -348,6 +385,10 @@ class Coordinator:
                     f"{formation.world_size} joined; start the missing ones with the same job "
                     "id and coordinator"), ErrorCode.TIMEOUT
         silent = formation.watch.silent(joined, now, limits.peer_s)
+        if silent and formation.membership is not None:
+            self._lose(formation, formation.watch.silent_nodes(joined, now, limits.peer_s),
+                       f"its daemon has sent nothing for over {limits.peer_s:g}s")
+            return "", ErrorCode.TIMEOUT
         if silent:
             return silent, ErrorCode.RANK_LOST
         before = formation.watch.stall
@@ -377,11 +418,98 @@ class Coordinator:
         formation = self._jobs.get(leave.job)
         if formation is None:
             return
+        if formation.membership is not None and node in formation.joins \
+                and len(formation.joins) > 1:
+            # Its ranks closed while the others may still train: they go on without it.
+            self._lose(formation, [node], "its ranks closed their clients")
+            return
         join = formation.joins.pop(node, None)
         if join is not None:
             formation.forget(join)
         if not formation.joins:
             del self._jobs[leave.job]
+
+    # --- membership (fault_tolerance="continue") ---------------------------------------------
+
+    def _lose(self, formation: Formation, nodes: list[bytes], why: str) -> None:
+        """``nodes`` are gone from a tolerant job: the survivors move to a new epoch, or the
+        job fails when fewer than min_world_size ranks remain."""
+        membership = formation.membership
+        assert membership is not None
+        change = describe_nodes(formation.joins, nodes, why)
+        for node in nodes:
+            join = formation.joins.pop(node, None)
+            if join is not None:
+                formation.forget(join)
+            formation.watch.nodes.pop(node, None)
+            for reports in formation.reports.values():
+                reports.pop(node, None)
+        ranks = sum(len(join.ranks) for join in formation.joins.values())
+        if not formation.joins or ranks < membership.min_world_size:
+            if formation.joins:
+                self._abort_all(formation, ErrorCode.RANK_LOST,
+                                f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
+                                f"{membership.min_world_size}")
+            else:
+                del self._jobs[formation.job]
+            return
+        self._reform(formation, change)
+        for round_number in sorted(formation.reports):  # rounds that waited for the lost
+            self._decide_if_whole(formation, round_number)
+
+    def _reform(self, formation: Formation, change: str) -> None:
+        membership = formation.membership
+        assert membership is not None
+        if membership.exhausted:
+            self._abort_all(formation, ErrorCode.ENGINE,
+                            f"{change}; the job reformed {membership.fruitless} times without "
+                            "finishing an iteration")
+            return
+        reform = membership.begin(change, time.monotonic())
+        log.warning("job %s: epoch %d: %s", formation.job, reform.epoch, reform.change)
+        for node in formation.joins:
+            self._send(node, PeerReform(job=formation.job, epoch=reform.epoch,
+                                        change=reform.change))
+
+    def _on_fault(self, node: bytes, fault: PeerFault) -> None:
+        """A node's collective failed: unless a change already runs, reform the same nodes
+        (a peer that vanished without a word is then found by its silence to the reform)."""
+        formation = self._jobs.get(fault.job)
+        if formation is None or formation.membership is None or node not in formation.joins:
+            return
+        membership = formation.membership
+        if membership.reform is not None or fault.epoch != membership.epoch:
+            return  # the change in progress, or one already made, covers it
+        host = formation.joins[node].host
+        self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
+
+    def _on_reform_state(self, node: bytes, state: PeerReformState) -> None:
+        formation = self._jobs.get(state.job)
+        if formation is None or formation.membership is None or node not in formation.joins:
+            return
+        formation.watch.heard(node, time.monotonic())
+        if formation.membership.answer(node, state) \
+                and formation.membership.complete(formation.joins):
+            self._resume(formation)
+
+    def _resume(self, formation: Formation) -> None:
+        membership = formation.membership
+        assert membership is not None
+        reform, resume = membership.finish()
+        if isinstance(resume, str):
+            self._abort_all(formation, ErrorCode.INVALID, f"the reform failed: {resume}")
+            return
+        order = survivors_order(formation.joins)
+        members = sorted(rank for join in formation.joins.values() for rank in join.ranks)
+        store_port = formation.store_port if len(order) > 1 else 0
+        prefix = secrets.token_hex(16)  # a new group under new keys: the old one is abandoned
+        for index, node in enumerate(order):
+            self._send(node, PeerResume(
+                job=formation.job, epoch=reform.epoch, node_index=index, nodes=len(order),
+                store_port=store_port, store_prefix=prefix, members=members,
+                iteration=resume, change=reform.change))
+        log.warning("job %s: epoch %d resumes at iteration %d with %d node(s), %d rank(s)",
+                    formation.job, reform.epoch, resume, len(order), len(members))
 
     def close(self) -> None:
         """Stop the planner thread; a plan being decided is dropped."""
@@ -389,5 +517,8 @@ class Coordinator:
             self._planner.shutdown(wait=False, cancel_futures=True)
 
     def status(self) -> list[CoordinatedJob]:
-        return [CoordinatedJob(job=f.job, formed=f.formed, nodes=len(f.joins),
-                               world_size=f.world_size) for f in self._jobs.values()]
+        return [CoordinatedJob(
+            job=f.job, formed=f.formed, nodes=len(f.joins), world_size=f.world_size,
+            epoch=f.membership.epoch if f.membership else 0,
+            membership_changes=f.membership.history if f.membership else [])
+            for f in self._jobs.values()]

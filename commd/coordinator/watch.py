@@ -62,6 +62,12 @@ class JobWatch:
                 rows.append((rank, where, layer, name, beat.waiting_s))
         return describe_unmarked(rows)
 
+    def silent_nodes(self, joins: dict[bytes, PeerJoin], now: float,
+                     timeout_s: float) -> list[bytes]:
+        """The nodes of the job silent past ``timeout_s``."""
+        return [node for node in _node_order(joins)
+                if node in self.nodes and now - self.nodes[node].heard_at > timeout_s]
+
     def silent(self, joins: dict[bytes, PeerJoin], now: float, timeout_s: float) -> str:
         """'' unless a node of the job has been silent past ``timeout_s``; else who."""
         order = _node_order(joins)

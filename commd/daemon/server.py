@@ -45,6 +45,8 @@ from commd_protocol import (
     PeerAbort,
     PeerMessage,
     PeerPlan,
+    PeerReform,
+    PeerResume,
     PeerSetup,
     PeerStatus,
     ProtocolViolation,
@@ -283,6 +285,12 @@ class Daemon:
             task.add_done_callback(self._forget_task)
         elif isinstance(message, PeerPlan):
             job.on_plan(message)
+        elif isinstance(message, PeerReform):
+            job.on_reform(message)
+        elif isinstance(message, PeerResume):
+            task = asyncio.get_running_loop().create_task(job.on_resume(message))
+            self._tasks.append(task)
+            task.add_done_callback(self._forget_task)
         elif isinstance(message, PeerStatus):
             liveness.on_status(job, message, time.monotonic())
         elif isinstance(message, PeerAbort):

@@ -16,11 +16,11 @@ import msgspec
 
 from commd.engines import Engine
 from commd.engines.buffer_ops import BufferOps
-from commd.job import buffers, replies, setup, validation
+from commd.job import buffers, epochs, replies, setup, validation
 from commd.job.members import Members
 from commd.job.pipeline import Pipeline, PipelineSnapshot, Plan, ReadyError, make_plan
 from commd.job.reporting import Reporter, job_status, join_request
-from commd.job.state import JobContext, JobError, JobState, Liveness, LocalRank
+from commd.job.state import Epochs, JobContext, JobError, JobState, Liveness, LocalRank
 from commd.job.trace import TraceRecorder
 from commd_protocol import (
     Error,
@@ -29,6 +29,8 @@ from commd_protocol import (
     PeerAbort,
     PeerLeave,
     PeerPlan,
+    PeerReform,
+    PeerResume,
     PeerSetup,
     Register,
 )
@@ -58,6 +60,8 @@ class Job:
         self.started = time.monotonic()  # the first hello: forming has a deadline (deadlines)
         self.liveness = Liveness()  # the coordinator's messages, the job-wide stall
         self.failed_at = 0.0
+        self.epochs = Epochs()  # fault_tolerance="continue": the membership's epochs
+        self._done_epoch = 0  # the epoch the last finished iteration ran in
         self._closed = False
 
     @property
@@ -174,7 +178,9 @@ class Job:
     # --- running ---------------------------------------------------------------------------------
 
     def _running(self, what: str) -> Pipeline:
-        if self.state is not JobState.RUNNING or self.pipeline is None:
+        # While a tolerant job reforms its ranks go on marking and waiting: the iteration
+        # runs (again) once the new epoch starts.
+        if self.state not in (JobState.RUNNING, JobState.REFORMING) or self.pipeline is None:
             raise JobError(f"{what} before the job is formed (job {self.id!r} is {self.state})",
                            ErrorCode.OUT_OF_ORDER)
         return self.pipeline
@@ -198,8 +204,7 @@ class Job:
         elif iteration == pipeline.iteration - 1 and pipeline.done_plan is not None:
             # Finished already (the other local ranks' marks completed it): the plan it ran
             # with, not the one in force, which may have switched since.
-            reply = replies.done(pipeline, member, iteration, pipeline.done_plan)
-            self.ctx.send_client(member.identity, reply)
+            self._send_done(member, iteration, pipeline.done_plan, self._done_epoch)
         else:
             raise JobError(
                 f"wait for iteration {iteration} but the job is at {pipeline.iteration}",
@@ -209,11 +214,41 @@ class Job:
     def iteration_done(self, iteration: int, plan: Plan) -> None:
         """The pipeline finished ``iteration``: answer the ranks that wait for it."""
         assert self.pipeline is not None
+        # The epoch it ran in, for a rank whose wait comes after a later change began.
+        self._done_epoch = self.epochs.epoch
         for member in self.members.ranks.values():
             if member.waiting == iteration:
                 member.waiting = None
-                reply = replies.done(self.pipeline, member, iteration, plan)
-                self.ctx.send_client(member.identity, reply)
+                self._send_done(member, iteration, plan, self._done_epoch)
+
+    def _send_done(self, member: LocalRank, iteration: int, plan: Plan, epoch: int) -> None:
+        assert self.pipeline is not None
+        reply = replies.done(self.pipeline, member, iteration, plan)
+        member.told_epoch = epochs.stamp(reply, self.epochs, member.told_epoch, epoch)
+        self.ctx.send_client(member.identity, reply)
+
+    # --- membership epochs (fault_tolerance="continue") ------------------------------------------
+
+    def on_collective_failure(self, problem: BaseException) -> None:
+        """The data plane failed: a tolerant job waits for its coordinator's reform, any
+        other fails."""
+        if self.epochs_enabled:
+            epochs.on_collective_failure(self, problem)
+        else:
+            self.fail(ErrorCode.ENGINE, f"collective failed: {problem}")
+
+    @property
+    def epochs_enabled(self) -> bool:
+        registration = self.members.any_registration()
+        return registration is not None and registration.fault_tolerance == "continue"
+
+    def on_reform(self, message: PeerReform) -> None:
+        if self.epochs_enabled:
+            epochs.on_reform(self, message)
+
+    async def on_resume(self, message: PeerResume) -> None:
+        if self.epochs_enabled:
+            await epochs.on_resume(self, message)
 
     def trace(self, recorder: TraceRecorder) -> None:  # a TraceRequest; JobError unless running
         recorder.arm(self._running("trace"), self.members.first_registration(), self.setup)
@@ -306,4 +341,5 @@ class Job:
             reporter=self.reporter,
             error=self.failure.message if self.failure else None,
             stall=(self.liveness.stall, self.liveness.stall_s),
+            epochs=self.epochs,
         )

@@ -104,16 +104,23 @@ class Pipeline:
         self.iteration = 0
         self.done_plan: Plan | None = None  # the plan the last finished iteration ran with
         self._task: asyncio.Task[None] | None = None
+        self._finishing: list[asyncio.Future[Any]] = []  # the current iteration's groups
         self._wire_clock = WireClock()
         self._records_clock = StepClock()  # iteration records, with the step time
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
-        self.compression: NodeCompression | None = None
-        if compression is not None:
-            exchange = GroupExchange(engine, executor, node_index, nodes, dtype,
-                                     self._wire_clock, compression.momentum)
-            lower = EXPLORE_RATIOS if compression.ratio is None else ()
-            self.compression = NodeCompression(self.buffers[0], exchange, lower)
+        self._compression_spec = compression
+        self.compression = self._new_compression(node_index, nodes)
+
+    def _new_compression(self, node_index: int, nodes: int) -> NodeCompression | None:
+        """A compressed job's state for this node's place among ``nodes`` (residuals zero)."""
+        spec = self._compression_spec
+        if spec is None:
+            return None
+        exchange = GroupExchange(self.engine, self._executor, node_index, nodes, self.dtype,
+                                 self._wire_clock, spec.momentum)
+        lower = EXPLORE_RATIOS if spec.ratio is None else ()
+        return NodeCompression(self.buffers[0], exchange, lower)
 
     # --- from the control plane ------------------------------------------------------------------
 
@@ -181,7 +188,8 @@ class Pipeline:
             self._on_failure(exc)
 
     async def _iterate(self, plan: Plan) -> None:
-        finishing = []
+        finishing: list[asyncio.Future[Any]] = []
+        self._finishing = finishing  # a stop abandons them too (TolerantPipeline.suspend)
         samples: list[CommSample] = []
         wires: list[asyncio.Future[Any]] = []  # device: collectives still on the stream
         # Every node issues the groups' collectives in plan order: a group issues its own
@@ -205,6 +213,7 @@ class Pipeline:
             if self.trace is not None:
                 self.trace.finishing(self.iteration, index, finishing[-1])
         await _all_or_cancel(finishing)
+        await self._commit(plan)
         gains = (self.compression.end_iteration(plan.exchanges)
                  if self.compression is not None else IterationGains())
         done = self.iteration
@@ -252,23 +261,22 @@ class Pipeline:
         """Sum the local ranks into the first one's buffer, then put the group on the wire."""
         views = self._group_views(plan, index)
         self.ops.acquire()
-        if len(views) > 1:
-            await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
+        total = await self._node_sum(plan, index, views)
         if self.compression is not None and self.compression.dense_work:
             # A compressed job runs dense: what top-k held back goes too.
-            await self._memory(self.compression.flush, views[0], *plan.spans[index])
+            await self._memory(self.compression.flush, total, *plan.spans[index])
         wire: asyncio.Future[Any] | None = None
         if self.engine is not None:
-            wire = self._wire_clock.timed(self.engine.allreduce(views[0], self.dtype),
-                                          (self.iteration, index), views[0].nbytes, samples)
-            itemsize = views[0].itemsize
+            wire = self._wire_clock.timed(self.engine.allreduce(total, self.dtype),
+                                          (self.iteration, index), total.nbytes, samples)
+            itemsize = total.itemsize
             self._watch.watch(wire, describe(plan, index, self.iteration, itemsize),
                               predicted_s(plan, index, itemsize))
         if self.trace is not None:
             self.trace.launched(self.iteration, index, wire)
         self._note_launch(plan.groups[index])
         if not self.ops.stream_ordered:
-            return asyncio.ensure_future(self._finish(wire, views))
+            return asyncio.ensure_future(self._finish(wire, total, views))
         # Stream-ordered: the copy back queues behind the collective on the same stream.
         if wire is not None:
             wires.append(wire)
@@ -290,26 +298,42 @@ class Pipeline:
         iteration = self.iteration
         start, stop = plan.spans[index]
         views = [buffer[start:stop] for buffer in self.buffers]
-        if len(views) > 1:
-            await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
+        total = await self._node_sum(plan, index, views)
         if self.trace is not None:
             self.trace.summed(iteration, index)
-        itemsize = views[0].itemsize
+        itemsize = total.itemsize
         with self._watch.span(describe(plan, index, iteration, itemsize),
                               predicted_s(plan, index, itemsize)):
-            gain, sample = await self.compression.run(plan, index, iteration, views[0], turn,
+            gain, sample = await self.compression.run(plan, index, iteration, total, turn,
                                                       issued)
         if self.trace is not None:
             self.trace.exchanged(iteration, index, gain, sample.seconds)
         if self.engine is not None:  # the job's own collectives keep a and b up to date
             samples.append(sample)
-        await self._finish(None, views)
+        await self._finish(None, total, views)
 
-    async def _finish(self, wire: asyncio.Future[Any] | None, views: list[Buffer]) -> None:
+    # --- where a group's sum lives: the strategy ``TolerantPipeline`` replaces -------------------
+
+    async def _node_sum(self, plan: Plan, index: int, views: list[Buffer]) -> Buffer:
+        """The node's sum of group ``index``, where its collective runs: the local ranks
+        summed into the first one's buffer."""
+        if len(views) > 1:
+            await self._memory(self.ops.sum_into, views[0], views[1:], self.dtype)
+        return views[0]
+
+    async def _write_back(self, total: Buffer, views: list[Buffer]) -> None:
+        """A group's result, scaled for avg, into every local rank's buffer."""
+        if self._factor() != 1.0 or len(views) > 1:
+            await self._memory(self.ops.finish, total, views[1:], self._factor(), self.dtype)
+
+    async def _commit(self, plan: Plan) -> None:
+        """Every group of the iteration is whole on this node; before its ranks are told."""
+
+    async def _finish(self, wire: asyncio.Future[Any] | None, total: Buffer,
+                      views: list[Buffer]) -> None:
         if wire is not None:
             await wire
-        if self._factor() != 1.0 or len(views) > 1:
-            await self._memory(self.ops.finish, views[0], views[1:], self._factor(), self.dtype)
+        await self._write_back(total, views)
 
     async def _memory(self, function: Callable[..., None], buffer: Buffer, *args: Any) -> None:
         if self.ops.stream_ordered or buffer.nbytes <= INLINE_BYTES:

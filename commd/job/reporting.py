@@ -12,7 +12,7 @@ from collections.abc import Callable
 from commd.job.measurements import IterationRecord, NodeProfiler
 from commd.job.members import Members
 from commd.job.pipeline import PipelineSnapshot
-from commd.job.state import JobState
+from commd.job.state import Epochs, JobState
 from commd_protocol import PROTOCOL_VERSION, PeerJoin, PeerPlan, PeerProfile, PeerSetup, Register
 from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 from commd_protocol.status import CandidateTiming, IterationTiming, JobStatus
@@ -83,7 +83,8 @@ def join_request(job: str, world_size: int, members: Members, host: str) -> Peer
 def job_status(*, job: str, state: JobState, world_size: int, local_ranks: list[int],
                registration: Register | None, setup: PeerSetup | None,
                decision: PeerPlan | None, run: PipelineSnapshot, reporter: Reporter | None,
-               error: str | None, stall: tuple[str, float] = ("", 0.0)) -> JobStatus:
+               error: str | None, stall: tuple[str, float] = ("", 0.0),
+               epochs: Epochs | None = None) -> JobStatus:
     """One job's status, from the parts that own each figure."""
     reg, plan = registration, run.plan
     return JobStatus(
@@ -120,4 +121,8 @@ def job_status(*, job: str, state: JobState, world_size: int, local_ranks: list[
         ready_to_launch=run.ready_to_launch,
         stall=stall[0] or None,
         stall_s=stall[1],
+        fault_tolerance=reg.fault_tolerance if reg else "fail",
+        epoch=epochs.epoch if epochs else 0,
+        members=epochs.members if epochs else [],
+        membership_changes=epochs.history() if epochs else [],
     )

@@ -22,6 +22,7 @@ from commd.job.members import Members
 from commd.job.pipeline import Pipeline, Plan
 from commd.job.reporting import Reporter
 from commd.job.state import JobContext, Liveness
+from commd.job.tolerant import TolerantPipeline
 from commd_protocol import ErrorCode, PeerSetup
 
 
@@ -52,6 +53,8 @@ class Starting(Protocol):
 
     def iteration_done(self, iteration: int, plan: Plan) -> None: ...
 
+    def on_collective_failure(self, problem: BaseException) -> None: ...
+
     def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None: ...
 
 
@@ -67,7 +70,8 @@ async def set_up(job: Starting, setup: PeerSetup) -> list[list[float]] | None:
     """Run every step; the network probe's samples, or None when the job stopped starting.
     Raises SetupError."""
     assert job.ops is not None
-    engine = await _start_engine(job, job.ops, setup) if setup.nodes > 1 else None
+    engine = (await start_engine(job.ctx, job.coordinator_host, job.id, job.ops, setup)
+              if setup.nodes > 1 else None)
     if not job.starting:  # failed or closed while the engine was forming
         if engine is not None:
             engine.close()
@@ -88,7 +92,8 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
     """The job's data plane, and the reporter its records go to."""
     reg = job.members.first_registration()
     reporter: Reporter | None = None
-    pipeline = Pipeline(
+    kind = TolerantPipeline if reg.fault_tolerance == "continue" else Pipeline
+    pipeline = kind(
         sizes=[layer.size for layer in reg.layers],
         buffers=[m.buffer for m in job.members.in_order() if m.buffer is not None],
         dtype=reg.dtype,
@@ -98,7 +103,7 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
         executor=job.ctx.executor,
         on_complete=job.iteration_done,
         on_record=lambda record: reporter.add(record) if reporter else None,
-        on_failure=lambda exc: job.fail(ErrorCode.ENGINE, f"collective failed: {exc}"),
+        on_failure=job.on_collective_failure,
         node_index=job.setup.node_index if job.setup else 0,
         nodes=job.setup.nodes if job.setup else 1,
         compression=parse_compression(reg.compression),
@@ -114,20 +119,22 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
     return pipeline, reporter
 
 
-async def _start_engine(job: Starting, ops: BufferOps, setup: PeerSetup) -> Engine:
+async def start_engine(ctx: JobContext, host: str, job: str, ops: BufferOps,
+                       setup: PeerSetup) -> Engine:
+    """The job's engine for ``setup``'s place, its group formed through the store on the
+    coordinator's ``host`` (also a tolerant job's new group in each epoch)."""
     with _step("engine set-up", ValueError, EngineError):
-        engine = create_engine(job.ctx.engine_for(ops.kind))
+        engine = create_engine(ctx.engine_for(ops.kind))
         engine.bind(ops)
-    host = job.coordinator_host
     config = EngineConfig(
-        key=setup.store_prefix or f"{job.id}/{setup.generation}",
-        name=f"{job.id}/{setup.generation}",
+        key=setup.store_prefix or f"{job}/{setup.generation}",
+        name=f"{job}/{setup.generation}",
         rank=setup.node_index,
         size=setup.nodes,
         store_host=host,
         store_port=setup.store_port,
-        host=job.ctx.advertise(host),
-        timeout_s=job.ctx.timeout_s,
+        host=ctx.advertise(host),
+        timeout_s=ctx.timeout_s,
     )
     try:
         with _step("engine set-up", EngineError):

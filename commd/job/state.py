@@ -18,7 +18,7 @@ from commd_protocol.status import JobState
 if TYPE_CHECKING:
     from commd.job.measurements import IterationRecord
 
-__all__ = ["JobContext", "JobError", "JobState", "Liveness", "LocalRank", "SendClient",
+__all__ = ["Epochs", "JobContext", "JobError", "JobState", "Liveness", "LocalRank", "SendClient",
            "SendPeer"]
 
 SendClient = Callable[[bytes, msgspec.Struct], None]
@@ -44,6 +44,7 @@ class LocalRank:
     registration: Register | None = None
     waiting: int | None = None  # the iteration this rank waits for
     told_plan: int = 0  # the plan whose groups this rank was last sent (it batches by them)
+    told_epoch: int = 0  # the membership epoch this rank was last told (tolerant jobs)
     left: bool = False
 
 
@@ -65,6 +66,8 @@ class JobContext:
     max_job_bytes: int = 1 << 40  # gradient bytes per job on this node
     # (job id, record) for every finished iteration, e.g. the daemon's metrics (None: off)
     observe: Callable[[str, IterationRecord], None] | None = None
+    # (job id, kind) for every membership change of a tolerant job, e.g. metrics (None: off)
+    on_membership_change: Callable[[str, str], None] | None = None
 
 
 @dataclass
@@ -79,3 +82,25 @@ class Liveness:
     stall_s: float = 0.0
     marks_pending: bool = False  # some node waits for its ranks' marks (watchdog: be patient)
     waiting_for: str = ""  # the coordinator's words on whom the job waits for, "" when none
+
+
+@dataclass
+class Epochs:
+    """What this node knows of its job's membership."""
+
+    epoch: int = 0  # the epoch the data plane runs in
+    members: list[int] = field(default_factory=list)  # its ranks ([]: every rank, epoch 0)
+    # (epoch, its ranks, what changed), oldest first
+    changes: list[tuple[int, list[int], str]] = field(default_factory=list)
+    stopping_for: int = 0  # the epoch the node stopped for (answered a reform), 0: none
+
+    def members_of(self, epoch: int) -> list[int]:
+        """The ranks of ``epoch`` ([] when it is not kept)."""
+        return next((ranks for number, ranks, _ in self.changes if number == epoch), [])
+
+    def words_since(self, told: int, upto: int) -> str:
+        """What changed after epoch ``told`` up to ``upto``, in words."""
+        return "; ".join(words for number, _, words in self.changes if told < number <= upto)
+
+    def history(self) -> list[str]:
+        return [f"epoch {number}: {words}" for number, _, words in self.changes]

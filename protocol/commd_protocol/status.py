@@ -20,13 +20,16 @@ class JobState(StrEnum):
     JOINING = "joining"  # every local rank registered; waiting for the coordinator's set-up
     STARTING = "starting"  # engine, device and network probe being set up; waiting for a plan
     RUNNING = "running"  # iterations run
+    # fault_tolerance="continue": a node was lost; the data plane waits for the new epoch
+    REFORMING = "reforming"
     FAILED = "failed"  # the failure is latched and told to every rank
     CLOSED = "closed"  # every rank said goodbye
 
     @property
     def active(self) -> bool:
         """Between joining and running: the coordinator knows this node's part of the job."""
-        return self in (JobState.JOINING, JobState.STARTING, JobState.RUNNING)
+        return self in (JobState.JOINING, JobState.STARTING, JobState.RUNNING,
+                        JobState.REFORMING)
 
 
 class _Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -97,6 +100,10 @@ class JobStatus(_Status):
     ready_to_launch: LatencySummary | None = None
     stall: str | None = None  # the coordinator's stall warning naming ranks and layers
     stall_s: float = 0.0  # how long the stall has lasted
+    fault_tolerance: str = "fail"
+    epoch: int = 0  # membership epoch (fault_tolerance="continue"; 0: the first)
+    members: list[int] = []  # the ranks of that epoch ([]: every rank, never changed)
+    membership_changes: list[str] = []  # "epoch N: what changed", oldest first
 
 
 class CoordinatedJob(_Status):
@@ -106,6 +113,8 @@ class CoordinatedJob(_Status):
     formed: bool
     nodes: int
     world_size: int
+    epoch: int = 0  # membership epoch (fault_tolerance="continue")
+    membership_changes: list[str] = []  # "epoch N: what changed", oldest first
 
 
 class ShareStatus(_Status):

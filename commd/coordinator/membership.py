@@ -1,0 +1,128 @@
+"""Membership epochs of a ``fault_tolerance="continue"`` job: who is in, what changed, and
+where the survivors go on after a loss.
+
+A change runs in two steps. ``PeerReform`` stops every survivor's data plane; each answers
+with where its iteration stands (``PeerReformState``). Then ``PeerResume`` gives each its new
+place and the iteration all run next. The rule that keeps replicas identical: an iteration's
+results reach a node's ranks only after a job-wide commit (a one-element all-reduce every node
+enters once every group of the iteration is whole on it). So if any survivor delivered
+iteration ``D - 1``, every survivor holds its whole results (they all entered the commit),
+and those that had not delivered it deliver them now; iteration ``D``, which nobody
+delivered, runs again among the survivors from the ranks' untouched gradients.
+
+Pure bookkeeping: the coordinator sends what this decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from commd_protocol import PeerJoin, PeerReformState
+
+# A surviving daemon answers a reform from its event loop within milliseconds; one that has
+# not answered in this long is taken as lost too (a killed daemon never answers, and its
+# heartbeat silence would take the whole --peer-timeout-s).
+REFORM_ANSWER_S = 2.0
+# Reforms in a row that end without any node delivering an iteration in between: a fault
+# that every new epoch meets again (a link that stays cut between two live nodes) fails the
+# job instead of reforming forever.
+MAX_FRUITLESS_REFORMS = 4
+MAX_HISTORY = 64  # changes kept for status
+
+
+@dataclass
+class Reform:
+    """One change in progress: the epoch it leads to and the survivors' answers."""
+
+    epoch: int
+    change: str
+    started: float
+    states: dict[bytes, PeerReformState] = field(default_factory=dict)
+
+
+@dataclass
+class Membership:
+    """A tolerant job's epochs, on its coordinator."""
+
+    min_world_size: int
+    epoch: int = 0
+    reform: Reform | None = None
+    history: list[str] = field(default_factory=list)  # "epoch N: change", oldest first
+    fruitless: int = 0  # reforms since an iteration was last delivered
+    delivered: int = 0  # the highest iteration count any node reported
+
+    def begin(self, change: str, now: float) -> Reform:
+        """A new epoch starts; any change still in progress is folded into it."""
+        if self.reform is not None:
+            change = f"{self.reform.change}; {change}"
+        self.epoch += 1
+        self.fruitless += 1
+        self.reform = Reform(self.epoch, change, now)
+        return self.reform
+
+    def answer(self, node: bytes, state: PeerReformState) -> bool:
+        """Record a survivor's answer; whether it belongs to the change in progress."""
+        reform = self.reform
+        if reform is None or state.epoch != reform.epoch:
+            return False
+        reform.states[node] = state
+        return True
+
+    def unanswered(self, joins: Iterable[bytes], now: float) -> list[bytes]:
+        """Survivors that have not answered the change in progress within REFORM_ANSWER_S."""
+        reform = self.reform
+        if reform is None or now - reform.started <= REFORM_ANSWER_S:
+            return []
+        return [node for node in joins if node not in reform.states]
+
+    def complete(self, joins: Iterable[bytes]) -> bool:
+        reform = self.reform
+        return reform is not None and all(node in reform.states for node in joins)
+
+    def finish(self) -> tuple[Reform, int | str]:
+        """End the change in progress: it, and the iteration every survivor runs next (or
+        what makes the answers impossible, which fails the job)."""
+        reform = self.reform
+        assert reform is not None
+        self.reform = None
+        self.history = [*self.history, f"epoch {reform.epoch}: {reform.change}"][-MAX_HISTORY:]
+        resume = resume_iteration(list(reform.states.values()))
+        if isinstance(resume, int):
+            if resume > self.delivered:
+                self.fruitless = 0
+            self.delivered = max(self.delivered, resume)
+        return reform, resume
+
+    @property
+    def exhausted(self) -> bool:
+        return self.fruitless > MAX_FRUITLESS_REFORMS
+
+
+def resume_iteration(states: list[PeerReformState]) -> int | str:
+    """The iteration every survivor runs next, from their answers; or why there is none.
+
+    ``D``, the most iterations any survivor delivered: the others stand at ``D - 1`` with
+    iteration ``D - 1`` whole and only its commit outstanding (they deliver it), or at ``D``.
+    """
+    if not states:
+        return "no node answered"
+    most = max(state.delivered for state in states)
+    for state in states:
+        if state.delivered == most or (state.delivered == most - 1 and state.committing):
+            continue
+        return (f"a node delivered {state.delivered} iterations (committing: "
+                f"{state.committing}) while another delivered {most}")
+    return most
+
+
+def survivors_order(joins: dict[bytes, PeerJoin]) -> list[bytes]:
+    """The nodes of the new epoch by their lowest rank: its node 0 holds its lowest rank."""
+    return sorted(joins, key=lambda node: min(joins[node].ranks))
+
+
+def describe_nodes(joins: dict[bytes, PeerJoin], nodes: Iterable[bytes], why: str) -> str:
+    """'node HOST (ranks [..]) lost: WHY' for the nodes leaving."""
+    parts = [f"node {joins[node].host} (ranks {joins[node].ranks[:20]})" for node in nodes
+             if node in joins]
+    return f"{', '.join(parts) or 'a node'} lost: {why}"

@@ -1,0 +1,178 @@
+"""A tolerant job's membership epochs on this node: stop for a change, answer where the
+iteration stands, go on in the new epoch (``commd.coordinator.membership`` decides; this
+carries it out). Only jobs registered with ``fault_tolerance="continue"`` get here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import msgspec
+
+from commd.engines import Engine
+from commd.engines.buffer_ops import BufferOps
+from commd.job import setup as set_up
+from commd.job.pipeline import Pipeline
+from commd.job.state import Epochs, JobContext
+from commd.job.tolerant import ResumeError, TolerantPipeline
+from commd_protocol import (
+    Done,
+    ErrorCode,
+    PeerFault,
+    PeerReform,
+    PeerReformState,
+    PeerResume,
+    PeerSetup,
+)
+from commd_protocol.status import JobState
+
+log = logging.getLogger("commd.jobs")
+
+MAX_CHANGE_CHARS = 2000  # of the coordinator's words on a change, kept and passed on
+MAX_CHANGES_KEPT = 64
+
+
+class Tolerant(Protocol):
+    """What the epochs need of the job (``Job``; a protocol, not an import)."""
+
+    id: str
+    ctx: JobContext
+    coordinator: str
+    world_size: int  # the job's first world size
+    ops: BufferOps | None
+    state: JobState
+    setup: PeerSetup | None
+    engine: Engine | None
+    pipeline: Pipeline | None
+    epochs: Epochs
+
+    @property
+    def coordinator_host(self) -> str: ...
+
+    def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None: ...
+
+
+def _pipeline(job: Tolerant) -> TolerantPipeline | None:
+    return job.pipeline if isinstance(job.pipeline, TolerantPipeline) else None
+
+
+def _stop(job: Tolerant) -> tuple[int, bool]:
+    """Stop the data plane and let the engine go (a collective stuck on the lost peer keeps
+    its old group alive until Gloo gives up on it, see GlooEngine.close)."""
+    pipeline = _pipeline(job)
+    assert pipeline is not None
+    state = pipeline.suspend()
+    if job.engine is not None:
+        job.engine.close()
+        job.engine = None
+    job.state = JobState.REFORMING
+    return state
+
+
+def on_collective_failure(job: Tolerant, problem: BaseException) -> None:
+    """A collective failed (a peer vanished?): stop and tell the coordinator, which reforms
+    the job; nothing fails here."""
+    if job.state is not JobState.RUNNING:
+        return  # stopped already: an abandoned collective's late failure
+    _stop(job)
+    log.warning("job %s: a collective failed in epoch %d (%s); waiting for the coordinator",
+                job.id, job.epochs.epoch, problem)
+    job.ctx.send_peer(job.coordinator, PeerFault(job=job.id, epoch=job.epochs.epoch,
+                                                 message=str(problem)[:MAX_CHANGE_CHARS]))
+
+
+def on_reform(job: Tolerant, message: PeerReform) -> None:
+    """The coordinator starts epoch ``message.epoch``: stop, and say where we stand."""
+    if message.epoch <= max(job.epochs.epoch, job.epochs.stopping_for):
+        return  # an old or repeated change
+    if job.state in (JobState.JOINING, JobState.STARTING):
+        job.fail(ErrorCode.RANK_LOST, f"a node was lost while the job started: "
+                 f"{message.change[:MAX_CHANGE_CHARS]}")
+        return
+    if job.state not in (JobState.RUNNING, JobState.REFORMING) or _pipeline(job) is None:
+        return
+    pipeline = _pipeline(job)
+    assert pipeline is not None
+    delivered, committing = (_stop(job) if job.state is JobState.RUNNING
+                             else (pipeline.iteration, pipeline.committing))
+    job.epochs.stopping_for = message.epoch
+    job.ctx.send_peer(job.coordinator, PeerReformState(
+        job=job.id, epoch=message.epoch, delivered=delivered, committing=committing))
+
+
+def resume_problem(job: Tolerant, message: PeerResume) -> str:
+    """'' when a resume fits this node's job, else what is wrong with it."""
+    if job.state is not JobState.REFORMING or message.epoch != job.epochs.stopping_for:
+        return (f"a resume for epoch {message.epoch} while the job is {job.state} "
+                f"(stopped for epoch {job.epochs.stopping_for})")
+    if not 0 <= message.node_index < message.nodes:
+        return f"node index {message.node_index} of {message.nodes} nodes"
+    if not message.members or message.members != sorted(set(message.members)):
+        return "its ranks must be distinct and sorted"
+    if message.members[0] < 0 or message.members[-1] >= job.world_size:
+        return f"its ranks must lie in 0..{job.world_size - 1}"
+    return ""
+
+
+async def on_resume(job: Tolerant, message: PeerResume) -> None:
+    """Join the new epoch's group and go on from the coordinator's iteration."""
+    problem = resume_problem(job, message)
+    if problem:
+        if job.state is JobState.REFORMING:
+            job.fail(ErrorCode.INVALID, f"the coordinator sent a bad resume: {problem}")
+        return
+    assert job.setup is not None
+    place = msgspec.structs.replace(job.setup, node_index=message.node_index,
+                                    nodes=message.nodes, store_port=message.store_port,
+                                    store_prefix=message.store_prefix,
+                                    generation=job.setup.generation)
+    engine: Engine | None = None
+    if message.nodes > 1:
+        assert job.ops is not None
+        try:
+            engine = await set_up.start_engine(job.ctx, job.coordinator_host, job.id, job.ops,
+                                               place)
+        except set_up.SetupError as exc:
+            if job.state is JobState.REFORMING and job.epochs.stopping_for == message.epoch:
+                job.ctx.send_peer(job.coordinator, PeerFault(
+                    job=job.id, epoch=message.epoch, message=str(exc)[:MAX_CHANGE_CHARS]))
+            return
+    if job.state is not JobState.REFORMING or job.epochs.stopping_for != message.epoch:
+        if engine is not None:  # failed, closed or changed again while the group formed
+            engine.close()
+        return
+    pipeline = _pipeline(job)
+    assert pipeline is not None and job.pipeline is not None
+    try:
+        # Delivers the iteration committed in the old epoch (its Done tells the old epoch).
+        pipeline.resume(engine=engine, node_index=message.node_index, nodes=message.nodes,
+                        world_size=len(message.members), iteration=message.iteration)
+    except ResumeError as exc:
+        if engine is not None:
+            engine.close()
+        job.fail(ErrorCode.INVALID, str(exc))
+        return
+    job.engine, job.setup, job.state = engine, place, JobState.RUNNING
+    change = message.change[:MAX_CHANGE_CHARS]
+    epochs = job.epochs
+    epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
+    epochs.changes = [*epochs.changes,
+                      (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]
+    if job.ctx.on_membership_change is not None:
+        job.ctx.on_membership_change(job.id, "lost")
+    log.warning("job %s: epoch %d: %s; node %d of %d, %d rank(s), from iteration %d", job.id,
+                message.epoch, change, message.node_index, message.nodes,
+                len(message.members), message.iteration)
+
+
+def stamp(done: Done, epochs: Epochs, told: int, ran_in: int) -> int:
+    """Put the epoch ``ran_in`` on a Done (its ranks and what changed, for a rank last told
+    ``told``); the epoch the rank has now been told."""
+    if ran_in == 0 or not epochs.members_of(ran_in):  # epoch 0, or one no longer kept
+        return told
+    done.epoch = ran_in
+    if told < ran_in:
+        done.members = epochs.members_of(ran_in)
+        done.change = epochs.words_since(told, ran_in)
+    return max(told, ran_in)

@@ -1,0 +1,168 @@
+"""fault_tolerance="continue": a lost rank, daemon or node costs the job a membership epoch,
+not its life. Real daemons on 127.0.0.1, one rank each, real Gloo; the survivors must end
+every iteration with bit-identical averages — of every rank before the loss, of the
+survivors after it, and of one of the two in the iteration the loss lands in."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.processes import finish, start_json_worker
+
+from rank_worker import value
+from ranks import daemon_status
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = str(Path(__file__).with_name("tolerant_worker.py"))
+LAYERS = [("a", 3000), ("b", 700), ("c", 50)]
+PEER_TIMEOUT_S = 3
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[LocalDaemon]]:
+    before = commd_segments()
+    started: list[LocalDaemon] = []
+    try:
+        for index in range(3):
+            started.append(LocalDaemon(tmp_path, f"d{index}", "--backend", "gloo",
+                                       "--peer-timeout-s", str(PEER_TIMEOUT_S)))
+        yield started
+    finally:
+        for daemon in started:
+            if daemon.process.poll() is None:
+                os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
+            daemon.stop()
+    assert commd_segments() <= before
+
+
+def expected_digest(members: list[int], iteration: int) -> str:
+    results = []
+    for index, (_, size) in enumerate(LAYERS):
+        total = sum(value(rank, iteration, index, size) for rank in members).astype(np.float64)
+        results.append(total * (1.0 / len(members)))
+    return hashlib.sha256(b"".join(r.tobytes() for r in results)).hexdigest()
+
+
+def start(nodes: list[LocalDaemon], tmp_path: Path, iterations: int,
+          overrides: dict[int, dict[str, Any]], min_world_size: int = 1,
+          ) -> list[subprocess.Popen[str]]:
+    job = f"ft-{uuid.uuid4().hex[:8]}"
+    progress = tmp_path / job
+    progress.mkdir()
+    env = {**os.environ, "COMMD_FAULT_TOLERANCE": "continue",
+           "COMMD_MIN_WORLD_SIZE": str(min_world_size)}
+    processes = []
+    for rank, node in enumerate(nodes):
+        spec = {"job": job, "rank": rank, "world_size": len(nodes), "local_rank": 0,
+                "local_world_size": 1, "coordinator": nodes[0].address, "socket": node.socket,
+                "timeout": 60.0, "layers": LAYERS, "iterations": iterations,
+                "progress_dir": str(progress), **overrides.get(rank, {})}
+        processes.append(start_json_worker([sys.executable, WORKER], spec, env=env))
+    return processes
+
+
+def results(processes: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    finished = finish(processes, 120.0)
+    out = []
+    for done in finished:
+        try:
+            final = done.last_json()
+        except (ValueError, IndexError):
+            final = {}
+        final["returncode"] = done.returncode
+        final["stderr"] = done.stderr
+        out.append(final)
+    return out
+
+
+def check_survivors(outcome: list[dict[str, Any]], survivors: list[int], lost_at: int,
+                    iterations: int, world: int) -> None:
+    """Every survivor ran every iteration; all agree bit for bit; before the loss all ranks'
+    average, after it the survivors'; in it one of the two."""
+    everyone = list(range(world))
+    for rank in survivors:
+        assert "error" not in outcome[rank], outcome[rank]
+        assert len(outcome[rank]["digests"]) == iterations, outcome[rank]
+        assert outcome[rank]["members"] == survivors
+        assert outcome[rank]["world_sizes"][-1] == len(survivors)
+        assert outcome[rank]["epochs"][-1] >= 1
+    first = outcome[survivors[0]]["digests"]
+    for rank in survivors[1:]:
+        assert outcome[rank]["digests"] == first, f"rank {rank} diverged from {survivors[0]}"
+    for iteration in range(iterations):
+        before = expected_digest(everyone, iteration)
+        after = expected_digest(survivors, iteration)
+        if iteration < lost_at:
+            assert first[iteration] == before, iteration
+        elif iteration > lost_at:
+            assert first[iteration] == after, iteration
+        else:
+            assert first[iteration] in (before, after)
+
+
+@pytest.mark.parametrize(("victim", "when"), [(2, "after_ready"), (1, "before_ready"),
+                                              (0, "after_ready")])
+def test_survivors_go_on_after_a_rank_dies(nodes: list[LocalDaemon], tmp_path: Path,
+                                           victim: int, when: str) -> None:
+    """A rank vanishes mid-iteration (rank 0 too: its node's daemon coordinates on); the
+    others finish every iteration with identical averages and see world size 2."""
+    iterations, lost_at = 8, 3
+    others = {rank: {"loss_at": lost_at} for rank in range(3) if rank != victim}
+    processes = start(nodes, tmp_path, iterations,
+                      {victim: {"die_at": lost_at, "die_when": when}, **others})
+    outcome = results(processes)
+    assert outcome[victim]["returncode"] == 17
+    survivors = [rank for rank in range(3) if rank != victim]
+    check_survivors(outcome, survivors, lost_at, iterations, 3)
+    status = daemon_status(nodes[survivors[0]].socket)
+    assert status["jobs"] == [] or all(j["epoch"] >= 1 for j in status["jobs"])
+
+
+def test_below_min_world_size_the_job_fails_as_before(nodes: list[LocalDaemon],
+                                                      tmp_path: Path) -> None:
+    processes = start(nodes, tmp_path, 6, {2: {"die_at": 2, "die_when": "after_ready"},
+                                           0: {"loss_at": 2}, 1: {"loss_at": 2}},
+                      min_world_size=3)
+    outcome = results(processes)
+    for rank in (0, 1):
+        assert outcome[rank]["code"] == "rank_lost", outcome[rank]
+        assert "min_world_size 3" in outcome[rank]["error"]
+
+
+def test_a_killed_daemon_costs_its_node_only(nodes: list[LocalDaemon], tmp_path: Path) -> None:
+    """SIGKILL of node 2's daemon while the job trains: its rank fails, the others go on."""
+    iterations = 30
+    processes = start(nodes, tmp_path, iterations, {})
+    progress = tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+    del progress
+    # The job is running once node 2's daemon shows it at an iteration past 2.
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = daemon_status(nodes[2].socket)["jobs"]
+        if jobs and jobs[0]["iteration"] >= 2:
+            break
+        assert time.monotonic() < deadline, "the job never ran"
+        time.sleep(0.05)  # polling a condition, with a deadline
+    nodes[2].process.kill()
+    outcome = results(processes)
+    assert "error" in outcome[2]
+    for rank in (0, 1):
+        assert "error" not in outcome[rank], outcome[rank]
+        assert len(outcome[rank]["digests"]) == iterations
+        assert outcome[rank]["members"] == [0, 1]
+    assert outcome[0]["digests"] == outcome[1]["digests"]
+    assert outcome[0]["digests"][-1] == expected_digest([0, 1], iterations - 1)

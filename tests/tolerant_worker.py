@@ -1,0 +1,81 @@
+"""One rank of a ``fault_tolerance="continue"`` job for the fault-tolerance tests: writes
+rank_worker's integer gradients, averages them through the node's daemon and prints, as its
+last JSON line, a digest of every iteration's result with the membership it ran in.
+
+A rank given ``die_at`` vanishes in that iteration without a goodbye (``os._exit``), either
+before marking anything (``die_when="before_ready"``) or after marking every layer
+(``"after_ready"``: its node's collectives are then on the wire when it dies). Every other
+rank waits (``progress_dir``) until the victim is in that iteration, so the loss lands there.
+
+Usage: python tolerant_worker.py '<json spec>'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from commd_client import Client, CommdError
+
+from rank_worker import value
+
+
+def digest(arrays: list[np.ndarray]) -> str:
+    return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
+
+
+def _await_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.005)  # polling a condition, with a deadline
+
+
+def main() -> None:
+    spec: dict[str, Any] = json.loads(sys.argv[1])
+    rank = spec["rank"]
+    out: dict[str, Any] = {"rank": rank, "digests": [], "epochs": [], "world_sizes": []}
+    progress = Path(spec["progress_dir"])
+    try:
+        with Client(job=spec["job"], rank=rank, world_size=spec["world_size"],
+                    local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
+                    coordinator=spec["coordinator"], socket=spec["socket"],
+                    timeout=spec["timeout"]) as client:
+            layers = [(name, size) for name, size in spec["layers"]]
+            grads = client.register(layers, dtype="float64", op="avg", planner="wfbp",
+                                    compression=spec.get("compression", "none"))
+            for iteration in range(spec["iterations"]):
+                victim = iteration == spec.get("die_at")
+                if victim:
+                    (progress / "victim").touch()
+                elif iteration == spec.get("loss_at"):
+                    _await_file(progress / "victim", spec["timeout"])
+                for index, (_, size) in enumerate(layers):
+                    grads[index][:] = value(rank, iteration, index, size)
+                if victim and spec.get("die_when") == "before_ready":
+                    os._exit(17)
+                client.ready(range(len(layers)))
+                if victim:
+                    # its node's collectives go on the wire: die while they are there
+                    os._exit(17)
+                client.wait()
+                out["digests"].append(digest(grads))
+                out["epochs"].append(client.epoch)
+                out["world_sizes"].append(client.world_size)
+            out["members"] = list(client.members)
+    except CommdError as exc:
+        out["error"] = str(exc)
+        out["code"] = str(exc.code)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
