@@ -59,16 +59,18 @@ def expected_digest(members: list[int], iteration: int) -> str:
 
 def start(nodes: list[LocalDaemon], tmp_path: Path, iterations: int,
           overrides: dict[int, dict[str, Any]], min_world_size: int = 1,
-          ) -> list[subprocess.Popen[str]]:
+          per_node: int = 1) -> list[subprocess.Popen[str]]:
     job = f"ft-{uuid.uuid4().hex[:8]}"
     progress = tmp_path / job
     progress.mkdir()
     env = {**os.environ, "COMMD_FAULT_TOLERANCE": "continue",
            "COMMD_MIN_WORLD_SIZE": str(min_world_size)}
     processes = []
-    for rank, node in enumerate(nodes):
-        spec = {"job": job, "rank": rank, "world_size": len(nodes), "local_rank": 0,
-                "local_world_size": 1, "coordinator": nodes[0].address, "socket": node.socket,
+    for rank in range(len(nodes) * per_node):
+        node = nodes[rank // per_node]
+        spec = {"job": job, "rank": rank, "world_size": len(nodes) * per_node,
+                "local_rank": rank % per_node, "local_world_size": per_node,
+                "coordinator": nodes[0].address, "socket": node.socket,
                 "timeout": 60.0, "layers": LAYERS, "iterations": iterations,
                 "progress_dir": str(progress), **overrides.get(rank, {})}
         processes.append(start_json_worker([sys.executable, WORKER], spec, env=env))
@@ -166,3 +168,19 @@ def test_a_killed_daemon_costs_its_node_only(nodes: list[LocalDaemon], tmp_path:
         assert outcome[rank]["members"] == [0, 1]
     assert outcome[0]["digests"] == outcome[1]["digests"]
     assert outcome[0]["digests"][-1] == expected_digest([0, 1], iterations - 1)
+
+
+@pytest.mark.parametrize("victim", [3, 2])
+def test_a_node_goes_on_without_its_lost_rank(nodes: list[LocalDaemon], tmp_path: Path,
+                                              victim: int) -> None:
+    """Two nodes of two ranks: one rank of node 1 dies mid-iteration (the second or the first
+    of the node's buffers); its node goes on with its other rank, world size 3."""
+    iterations, lost_at = 8, 3
+    others = {rank: {"loss_at": lost_at} for rank in range(4) if rank != victim}
+    processes = start(nodes[:2], tmp_path, iterations,
+                      {victim: {"die_at": lost_at, "die_when": "after_ready"}, **others},
+                      per_node=2)
+    outcome = results(processes)
+    assert outcome[victim]["returncode"] == 17
+    survivors = [rank for rank in range(4) if rank != victim]
+    check_survivors(outcome, survivors, lost_at, iterations, 4)

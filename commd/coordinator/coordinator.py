@@ -478,10 +478,37 @@ class Coordinator:
         if formation is None or formation.membership is None or node not in formation.joins:
             return
         membership = formation.membership
+        if fault.lost_ranks:
+            self._lose_ranks(formation, node, fault)
+            return
         if membership.reform is not None or fault.epoch != membership.epoch:
             return  # the change in progress, or one already made, covers it
         host = formation.joins[node].host
         self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
+
+    def _lose_ranks(self, formation: Formation, node: bytes, fault: PeerFault) -> None:
+        """Some ranks of a node are gone, its others live: the node stays with the others."""
+        membership = formation.membership
+        assert membership is not None
+        join = formation.joins[node]
+        lost = sorted(set(fault.lost_ranks) & set(join.ranks))  # only its own ranks
+        if not lost:
+            return
+        why = fault.message[:300]
+        left = [rank for rank in join.ranks if rank not in lost]
+        if not left:
+            self._lose(formation, [node], why)
+            return
+        formation.forget(join)
+        formation.add(node, msgspec.structs.replace(join, ranks=left))
+        change = f"rank(s) {lost} on node {join.host} lost: {why}"
+        ranks = sum(len(j.ranks) for j in formation.joins.values())
+        if ranks < membership.min_world_size:
+            self._abort_all(formation, ErrorCode.RANK_LOST,
+                            f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
+                            f"{membership.min_world_size}")
+            return
+        self._reform(formation, change)
 
     def _on_reform_state(self, node: bytes, state: PeerReformState) -> None:
         formation = self._jobs.get(state.job)

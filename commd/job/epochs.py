@@ -82,6 +82,20 @@ def on_collective_failure(job: Tolerant, problem: BaseException) -> None:
                                                  message=str(problem)[:MAX_CHANGE_CHARS]))
 
 
+def on_local_loss(job: Tolerant, local_index: int, rank: int, why: str) -> None:
+    """A local rank is gone while others of this node live: stop, go on without it (zeros
+    for its gradients), and ask the coordinator for the change."""
+    pipeline = _pipeline(job)
+    assert pipeline is not None
+    if job.state is JobState.RUNNING:
+        _stop(job)
+    pipeline.drop_local(local_index)
+    log.warning("job %s: rank %d is gone (%s); this node goes on without it", job.id, rank, why)
+    job.ctx.send_peer(job.coordinator, PeerFault(
+        job=job.id, epoch=max(job.epochs.epoch, job.epochs.stopping_for),
+        message=why[:MAX_CHANGE_CHARS], lost_ranks=[rank]))
+
+
 def on_reform(job: Tolerant, message: PeerReform) -> None:
     """The coordinator starts epoch ``message.epoch``: stop, and say where we stand."""
     if message.epoch <= max(job.epochs.epoch, job.epochs.stopping_for):
@@ -161,6 +175,9 @@ async def on_resume(job: Tolerant, message: PeerResume) -> None:
                       (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]
     if job.ctx.on_membership_change is not None:
         job.ctx.on_membership_change(job.id, "lost")
+    if pipeline.trace is not None:  # `commd trace` armed: the change is marked on its timeline
+        pipeline.trace.membership(message.epoch, message.members, change,
+                                  (message.node_index, message.nodes), message.iteration)
     log.warning("job %s: epoch %d: %s; node %d of %d, %d rank(s), from iteration %d", job.id,
                 message.epoch, change, message.node_index, message.nodes,
                 len(message.members), message.iteration)

@@ -189,7 +189,7 @@ class Job:
               stamps: list[float] | None = None) -> None:
         pipeline = self._running("ready")
         gone = self.members.gone()
-        if gone:
+        if gone and not self.epochs_enabled:  # a tolerant job went on without them
             self.fail(ErrorCode.RANK_LOST, f"rank(s) {gone} closed; the job cannot go on")
             return
         try:
@@ -279,6 +279,14 @@ class Job:
         member.left = True
         if member.segment is not None:  # its memory goes now; the job cannot run on without it
             member.segment.close()
+        others = [m for m in self.members.ranks.values() if not m.left]
+        if self.epochs_enabled and others and self.pipeline is not None \
+                and self.state in (JobState.RUNNING, JobState.REFORMING):
+            why = (f"rank {member.rank} (pid {member.pid}) exited without closing its client"
+                   if lost else f"rank {member.rank} closed its client")
+            index = self.members.in_order().index(member)
+            epochs.on_local_loss(self, index, member.rank, why)
+            return
         if lost and self.state.active:
             self.fail(
                 ErrorCode.RANK_LOST,

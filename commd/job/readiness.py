@@ -32,6 +32,8 @@ class Readiness:
         self.notifications = 0  # ready messages received (clients batch them per group)
         self._awaited: Sequence[int] | None = None  # the group wait_for waits on
         self._began = time.monotonic()  # when the current iteration began
+        # local ranks gone from a tolerant job: their rows count as marked every iteration
+        self._absent: set[int] = set()
 
     def mark(self, local_index: int, layers: Sequence[int], iteration: int,
              sent_at: float = 0.0, stamps: Sequence[float] | None = None) -> None:
@@ -84,8 +86,8 @@ class Readiness:
 
     @property
     def in_flight(self) -> bool:
-        """Some layer of the current iteration is marked."""
-        return bool(self._count.any())
+        """Some layer of the current iteration is marked (by a rank still here)."""
+        return bool((self._count > len(self._absent)).any())
 
     async def wait_for(self, group: Sequence[int]) -> None:
         """Until every local rank has marked every layer of ``group`` (adjacent layers)."""
@@ -128,7 +130,22 @@ class Readiness:
         self._marked[:] = False
         self._count[:] = 0
         self._ready_at[:] = 0.0
+        self._fill_absent()
         return ready_at
+
+    def absent(self, local_index: int) -> None:
+        """A local rank is gone (a tolerant job goes on without it): its layers count as
+        marked, now and in every later iteration."""
+        self._absent.add(local_index)
+        self._fill_absent()
+
+    def _fill_absent(self) -> None:
+        for index in self._absent:
+            row = self._marked[index]
+            self._count[~row] += 1
+            row[:] = True
+        if self._absent:
+            self._changed.set()
 
 
 # A client stamps with the same CLOCK_MONOTONIC as the daemon, just before sending: a stamp

@@ -26,7 +26,7 @@ import numpy as np
 
 from commd.engines import Engine
 from commd.engines.buffer_ops import Buffer
-from commd.job.pipeline import Pipeline
+from commd.job.pipeline import GroupViews, Pipeline
 from commd.job.schedule import Plan
 
 
@@ -42,6 +42,7 @@ class TolerantPipeline(Pipeline):
         self._commit_flag = np.zeros(1, dtype=np.float32)
         self.committing = False  # every group of the current iteration is whole here
         self._in_flight: Plan | None = None  # the plan of the iteration being run
+        self._gone: set[int] = set()  # local indexes of ranks gone (``drop_local``)
 
     # --- the strategy ----------------------------------------------------------------------------
 
@@ -70,7 +71,17 @@ class TolerantPipeline(Pipeline):
 
     def _publish(self) -> None:
         """The work buffer's results, scaled for avg, into every local rank's buffer."""
-        self.ops.finish(self._work, self.buffers, self._factor(), self.dtype)
+        live = [b for index, b in enumerate(self.buffers) if index not in self._gone]
+        self.ops.finish(self._work, live, self._factor(), self.dtype)
+
+    def drop_local(self, local_index: int) -> None:
+        """A local rank is gone; the node goes on with the others (stopped, before a resume).
+        It contributes zeros from now on, its marks are taken as given, and nothing is
+        written to its memory (which is unmapped: a stray view would read zeros anyway)."""
+        self._gone.add(local_index)
+        self.buffers[local_index] = np.zeros_like(self.buffers[local_index])
+        self._group_views = GroupViews(self.buffers)
+        self._ready.absent(local_index)
 
     # --- a membership change ---------------------------------------------------------------------
 

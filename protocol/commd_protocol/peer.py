@@ -211,6 +211,10 @@ class PeerFault(_Msg, tag="peer_fault"):
     job: str
     epoch: int
     message: str
+    # ranks of this node that are gone while its other ranks live (their process exited or
+    # closed): the node goes on without them; [] when a collective failed
+    lost_ranks: Annotated[list[int], msgspec.Meta(max_length=MAX_LOCAL_RANKS)] = \
+        msgspec.field(default_factory=list)
 
 
 PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
