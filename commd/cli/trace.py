@@ -1,7 +1,7 @@
 """`commd trace`: record N iterations of a running job on the daemons of this machine and write
 a Chrome/Perfetto trace: per node, when each layer became ready, each group's local sum, wire
-and write-back, top-k selections and plan changes. ``--plot`` draws one iteration as a Gantt
-chart (docs/trace.md).
+and write-back, top-k selections, plan changes and membership changes. ``--plot`` draws one
+iteration as a Gantt chart (docs/trace.md).
 
 Each daemon records its node's next N whole iterations and answers when they are done (or
 when ``--timeout`` passed, with what it has); this command waits for every one of them.
@@ -32,7 +32,8 @@ from commd_protocol.codec import daemon_codec
 from commd_protocol.reach import unreachable
 
 # Rows of each node, top to bottom (a newer daemon's other rows follow).
-ROWS = ("iteration", "plan", "ready", "local sum", "compression", "wire", "write back")
+ROWS = ("iteration", "plan", "membership", "ready", "local sum", "compression", "wire",
+        "write back")
 GRACE_S = 2.0  # the daemons answer at --timeout; this is how much longer the command waits
 PERFETTO = "https://ui.perfetto.dev"
 
@@ -259,9 +260,9 @@ def _plot_node(ax: Any, events: list[TraceEvent], origin: float, width_ms: float
 _EPILOG = """\
 Each daemon records its node's next N whole iterations of the job (an iteration under way is
 skipped) and answers when they are recorded; one trace of a job at a time, at most 1000
-iterations and 16000 events per node. Rows per node: iteration, plan (changes), ready (one
-mark per layer, from the ranks' stamps), local sum, compression (top-k groups), wire,
-write back. Open the file in https://ui.perfetto.dev or chrome://tracing.
+iterations and 16000 events per node. Rows per node: iteration, plan (changes), membership
+(a fault-tolerant job's new epochs), ready (one mark per layer, from the ranks' stamps), local
+sum, compression (top-k groups), wire, write back. Open the file in https://ui.perfetto.dev or chrome://tracing.
 
 examples:
   commd trace --job demo -o trace.json

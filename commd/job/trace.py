@@ -4,7 +4,9 @@ A ``TraceRequest`` arms a ``TraceRecorder`` on the job's pipeline (``Job.trace``
 holds it in ``Pipeline.trace`` (None when no one traces) and calls it from a few hooks, each
 behind one ``if self.trace is not None:``: a group's marks are complete (its local sum
 begins), the group is summed, it is on the wire, its write-back is done, the iteration ended
-(the per-layer ready stamps, the plan). The recorder starts at the pipeline's next whole
+(the per-layer ready stamps, the plan); and, for a ``fault_tolerance="continue"`` job, the
+job resumed in a new membership epoch (``membership``, from ``commd.job.epochs.on_resume``:
+an instant on the "membership" row). The recorder starts at the pipeline's next whole
 iteration, keeps at most ``MAX_EVENTS`` events, answers the requester once N iterations are
 recorded or the request's timeout passed, and detaches itself.
 
@@ -47,6 +49,9 @@ MAX_EVENTS = 16_000  # per trace and node: a reply stays under the 4 MiB message
 # it ends: ten minutes bounds how long one request can keep the job's own user from tracing it.
 MAX_TIMEOUT_S = 600.0
 MAX_NAME = 48  # characters of a layer's name kept in its ready events
+# Characters of a membership change's words (and of its ranks, written out) kept in its mark:
+# a change names nodes and ranks, and MAX_EVENTS marks must still fit a reply.
+MAX_CHANGE = 200
 
 Reply = Callable[[msgspec.Struct], None]
 
@@ -182,6 +187,22 @@ class TraceRecorder:
         if self._truncated or not remaining:
             self._finish()
 
+    def membership(self, epoch: int, members: list[int], change: str, node: tuple[int, int],
+                   iteration: int) -> None:
+        """The job resumed in membership epoch ``epoch`` with ranks ``members`` because of
+        ``change``; this node is now ``node`` (index, nodes) and runs ``iteration`` next.
+        Marked whenever it happens while armed, even before the first recorded iteration:
+        a change is what a trace around a fault is for."""
+        if self.done:
+            return
+        self._node = node
+        ranks = ",".join(str(rank) for rank in members)
+        self._add(TraceEvent(
+            row="membership", name=f"epoch {epoch}", start_s=time.monotonic(),
+            iteration=iteration,
+            args={"epoch": epoch, "change": change[:MAX_CHANGE], "ranks": ranks[:MAX_CHANGE],
+                  "world_size": len(members), "node": f"{node[0]}/{node[1]}"}))
+
     # --- inside --------------------------------------------------------------------------------
 
     def _plan_changed(self, iteration: int, plan: Plan, start: float) -> None:
@@ -239,7 +260,10 @@ class TraceRecorder:
         """The request's timeout passed: answer with the whole iterations recorded, if any."""
         if self.done:
             return
-        del self.events[self._mark:]  # the iteration under way
+        # The iteration under way goes, but not a membership change marked in it: the
+        # change happened, whether or not an iteration finished after it.
+        marks = [e for e in self.events[self._mark:] if e.row == "membership"]
+        self.events[self._mark:] = marks
         request = self.request
         if self.iterations:
             self._truncated = (f"{len(self.iterations)} of {request.iterations} iterations: "
