@@ -1,0 +1,72 @@
+"""One rank of a ``fault_tolerance="continue"`` job for the real-fault tests (a stopped
+daemon, a cut link): rank_worker's integer gradients averaged through the node's daemon, a
+digest of every iteration's result with the membership it ran in, as tolerant_worker.py
+writes them, plus when and how it failed.
+
+The fault is injected from outside, between two iterations: before iteration ``hold_at``
+every rank touches ``<progress_dir>/held-<rank>`` and waits for ``<progress_dir>/go``. The
+test waits for every rank to be held, injects the fault, then touches ``go``: the loss lands
+in iteration ``hold_at`` on every rank, whatever the machine's speed.
+
+The last line of stdout is JSON: ``digests``, ``epochs``, ``world_sizes``, ``members``; on a
+CommdError also ``error``, ``code``, ``error_type`` and ``error_at`` (``time.time()`` when
+it was raised, to compare with the moment of the fault).
+
+Usage: python ft_fault_worker.py '<json spec>'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tolerant_worker import digest
+
+from commd_client import Client, CommdError
+
+from rank_worker import value
+
+
+def await_go(progress: Path, rank: int, timeout: float) -> None:
+    (progress / f"held-{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while not (progress / "go").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{progress / 'go'} never appeared")
+        time.sleep(0.005)  # polling a condition, with a deadline
+
+
+def main() -> None:
+    spec: dict[str, Any] = json.loads(sys.argv[1])
+    rank = spec["rank"]
+    out: dict[str, Any] = {"rank": rank, "digests": [], "epochs": [], "world_sizes": []}
+    progress = Path(spec["progress_dir"])
+    try:
+        with Client(job=spec["job"], rank=rank, world_size=spec["world_size"],
+                    local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
+                    coordinator=spec["coordinator"], socket=spec["socket"],
+                    timeout=spec["timeout"], fault_tolerance="continue") as client:
+            layers = [(name, size) for name, size in spec["layers"]]
+            grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
+            for iteration in range(spec["iterations"]):
+                if iteration == spec["hold_at"]:
+                    await_go(progress, rank, spec["timeout"])
+                for index, (_, size) in enumerate(layers):
+                    grads[index][:] = value(rank, iteration, index, size)
+                client.ready(range(len(layers)))
+                client.wait()
+                out["digests"].append(digest(grads))
+                out["epochs"].append(client.epoch)
+                out["world_sizes"].append(client.world_size)
+            out["members"] = list(client.members)
+    except CommdError as exc:
+        out.update(error=str(exc), code=str(exc.code), error_type=type(exc).__name__,
+                   error_at=time.time())
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
