@@ -298,7 +298,8 @@ DAEMON_FAMILIES = {"commd_daemon_info", "commd_uptime_seconds", "commd_jobs",
                    "commd_job_exposed_comm_predicted_seconds",
                    "commd_job_exposed_comm_measured_seconds", "commd_job_stall_seconds",
                    "commd_job_ready_to_launch_seconds", "commd_job_wire_bytes",
-                   "commd_job_wire_seconds"}
+                   "commd_job_wire_seconds", "commd_membership_changes",
+                   "commd_job_membership_epoch", "commd_job_membership_ranks"}
 GET = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n"
 
 

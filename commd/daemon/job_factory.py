@@ -22,6 +22,7 @@ class JobFactory:
         self.settings = settings
         self.backend = ""  # the daemon's engine, once chosen at start
         self.observe: Callable[[str, Any], None] | None = None  # metrics, when served
+        self.on_membership_change: Callable[[str, str], None] | None = None  # metrics, too
         self._executor = executor
         self._send_client = send_client
         self._send_peer = send_peer
@@ -42,6 +43,7 @@ class JobFactory:
             max_layers=settings.max_layers,
             max_job_bytes=settings.max_job_bytes,
             observe=self.observe,
+            on_membership_change=self.on_membership_change,
         ))
 
     def engine_for(self, kind: str) -> str:

@@ -7,9 +7,11 @@ make the loop render more than once a second). What status already keeps is read
 time from ``Daemon.status()`` and a few counts. What status does not keep, each collective's
 bytes and wire time and the plan changes, is observed on the event loop once per finished
 iteration (``JobContext.observe`` → ``observe_iteration``, counted just after the iteration's
-``done`` replies went out), and the errors sent to clients as they leave (``error_sent``).
-Everything runs on the loop, so nothing here is locked. A job gone from the daemon's job table
-leaves every per-job series at the next render, so the ``job`` label stays bounded.
+``done`` replies went out), the errors sent to clients as they leave (``error_sent``), and
+the membership changes of fault-tolerant jobs as this node's job resumes in a new epoch
+(``JobContext.on_membership_change`` → ``membership_changed``). Everything runs on the
+loop, so nothing here is locked. A job gone from the daemon's job table leaves every per-job
+series at the next render, so the ``job`` label stays bounded.
 docs/metrics.md lists every metric.
 """
 
@@ -50,6 +52,9 @@ SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.
                    1.0, 2.5, 5.0, 10.0)
 # A plan's exchange of a group → the ``exchange`` label of its collective.
 EXCHANGES = {"dense": "allreduce", "allreduce": "allreduce_topk", "allgather": "allgather"}
+# The ``kind`` label of commd_membership_changes_total: a fixed set, so that a caller's word
+# can never add a series ("joined" comes with rejoin); anything else counts as "other".
+MEMBERSHIP_KINDS = ("lost", "joined")
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class Metrics(Collector):
         self._jobs = jobs  # the daemon's job table: read on the event loop only
         self._series: dict[str, _JobSeries] = {}
         self._errors: dict[str, int] = {}  # by code
+        self._membership: dict[str, int] = dict.fromkeys((*MEMBERSHIP_KINDS, "other"), 0)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.address = ""  # HOST:PORT served, once serving
@@ -188,6 +194,13 @@ class Metrics(Collector):
         """An ``Error`` went to a client."""
         self._errors[str(code)] = self._errors.get(str(code), 0) + 1
 
+    def membership_changed(self, job: str, kind: str) -> None:
+        """A fault-tolerant ``job`` resumed on this node in a new epoch (``kind``: "lost" or
+        "joined"); counted per daemon, not per job, so that a job's end loses no count."""
+        del job  # the job's current epoch is its gauge, read from status
+        label = kind if kind in MEMBERSHIP_KINDS else "other"
+        self._membership[label] += 1
+
     # --- a render (on the event loop, at most once per the server's cache interval) -------------
 
     def collect(self) -> Iterator[Metric]:
@@ -201,6 +214,12 @@ class Metrics(Collector):
                           {e: (t.buckets(), t.total) for e, (_, t) in series.wire.items()})
                     for job, series in self._series.items()}
         yield from _daemon_families(status, counts, dict(self._errors))
+        changes = CounterMetricFamily("commd_membership_changes", "Membership changes of "
+                                      "fault-tolerant jobs on this node (a new epoch resumed), "
+                                      "by kind: lost, joined, other", labels=["kind"])
+        for kind, number in self._membership.items():
+            changes.add_metric([kind], number)
+        yield changes
         yield from _job_families(status.jobs, observed)
 
 
@@ -282,6 +301,10 @@ def _job_families(jobs: Sequence[JobStatus], observed: Observed) -> Iterator[Met
                         "Bytes of each collective on the wire, by exchange", "exchange")
     wire_seconds = family(HistogramMetricFamily, "commd_job_wire_seconds",
                           "Wire time of each collective, by exchange", "exchange")
+    epoch = family(GaugeMetricFamily, "commd_job_membership_epoch",
+                   "Membership epoch of a fault_tolerance=\"continue\" job (0: the first)")
+    members = family(GaugeMetricFamily, "commd_job_membership_ranks",
+                     "Ranks in that epoch (a fault_tolerance=\"continue\" job)")
     for job in jobs:
         name = job.job
         iterations.add_metric([name], job.iteration)
@@ -297,6 +320,9 @@ def _job_families(jobs: Sequence[JobStatus], observed: Observed) -> Iterator[Met
             for quantile, micros in (("0.5", latency.p50_us), ("0.99", latency.p99_us),
                                      ("1", latency.max_us)):
                 launch.add_metric([name, quantile], micros / 1e6)
+        if job.fault_tolerance == "continue":
+            epoch.add_metric([name], job.epoch)
+            members.add_metric([name], len(job.members) or job.world_size)
         changes, sizes, times = observed.get(name, (0, {}, {}))
         replans.add_metric([name], changes)
         for exchange, (buckets, total) in sorted(sizes.items()):
@@ -304,7 +330,7 @@ def _job_families(jobs: Sequence[JobStatus], observed: Observed) -> Iterator[Met
         for exchange, (buckets, total) in sorted(times.items()):
             wire_seconds.add_metric([name, exchange], buckets, total)
     yield from (iterations, groups, version, replans, predicted, measured, stall, launch,
-                wire_bytes, wire_seconds)
+                wire_bytes, wire_seconds, epoch, members)
 
 
 def _stall_seconds(job: JobStatus) -> float:

@@ -155,6 +155,7 @@ class Daemon:
 
         self._metrics = Metrics(self.status, self._metric_counts, self.jobs)
         self._new_job.observe = self._metrics.observe_iteration
+        self._new_job.on_membership_change = self._metrics.membership_changed
         return f", metrics on {await self._metrics.serve(self.settings.metrics_listen)}"
 
     def stop(self) -> None:
