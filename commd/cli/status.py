@@ -20,7 +20,7 @@ from commd_protocol import (
 )
 from commd_protocol.codec import daemon_codec
 from commd_protocol.reach import unreachable
-from commd_protocol.status import DaemonStatus, JobStatus, read_status
+from commd_protocol.status import CoordinatedJob, DaemonStatus, JobStatus, read_status
 
 
 class NoDaemon(Exception):
@@ -52,6 +52,9 @@ def query(socket_path: str, timeout_s: float = 3.0) -> dict[str, Any]:
 
 
 NEAR_CAP = 0.8  # a share this full is shown: the next refusals are that user's
+# Membership changes shown per job, newest last: the epoch says how many there were, and
+# `--json` carries every one the daemon keeps.
+CHANGES_SHOWN = 5
 
 
 def near_caps(status: DaemonStatus) -> list[str]:
@@ -83,6 +86,9 @@ def render(status: DaemonStatus) -> str:
         lines.append(f"peer handshakes refused {status.peer_handshakes_refused}"
                      + (f" ({reasons})" if reasons else ""))
     lines.extend(near_caps(status))
+    local = {job.job for job in status.jobs}
+    for coordinated in status.coordinating:
+        lines.extend(_coordinated(coordinated, shown_locally=coordinated.job in local))
     if not status.jobs:
         lines.append("no jobs")
         return "\n".join(lines)
@@ -137,11 +143,49 @@ def _details(job: JobStatus) -> list[str]:
                 f"{c.name} predicted {c.predicted_s * 1e3:.1f}"
                 + (f" measured {c.measured_s * 1e3:.1f}" if c.measured_s is not None else "")
                 for c in job.candidates))
+    if job.fault_tolerance != "fail":
+        lines.extend(_membership(job))
     if job.stall:
         lines.append(f"{name}: STALL ({job.stall_s:.0f}s): {job.stall}")
     if job.error:
         lines.append(f"{name}: {job.error}")
     return lines
+
+
+def _membership(job: JobStatus) -> list[str]:
+    """A fault-tolerant job's mode, epoch, members and last changes."""
+    ranks = (f"ranks {_ranks(job.members)} ({len(job.members)} of {job.world_size})"
+             if job.members else f"every rank ({job.world_size})")
+    lines = [f"{job.job}: fault tolerance {job.fault_tolerance}: epoch {job.epoch}, {ranks}"]
+    return lines + _history(job.job, job.membership_changes)
+
+
+def _coordinated(job: CoordinatedJob, shown_locally: bool) -> list[str]:
+    """A job this daemon coordinates: its nodes and epoch; its changes too when no rank of it
+    runs here (its node-0 rank was lost), as then no job row of this daemon tells them."""
+    state = "formed" if job.formed else "forming"
+    epoch = f", epoch {job.epoch}" if job.epoch or job.membership_changes else ""
+    lines = [f"coordinating {job.job}: {state}, {job.nodes} node(s) of a world of "
+             f"{job.world_size} rank(s){epoch}"]
+    if not shown_locally:
+        lines.extend(_history(f"coordinating {job.job}", job.membership_changes))
+    return lines
+
+
+def _history(prefix: str, changes: list[str]) -> list[str]:
+    """The last CHANGES_SHOWN changes ("epoch N: what changed"), and how many came before."""
+    shown = changes[-CHANGES_SHOWN:]
+    lines = []
+    if len(changes) > len(shown):
+        lines.append(f"{prefix}: ... {len(changes) - len(shown)} earlier change(s) "
+                     "(--json lists them)")
+    return lines + [f"{prefix}: {change}" for change in shown]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'0,1,3' (at most 32 ranks written out, then how many more)."""
+    written = ",".join(str(rank) for rank in ranks[:32])
+    return written + (f",... (+{len(ranks) - 32})" if len(ranks) > 32 else "")
 
 
 def register_command(subparsers: Any) -> None:
