@@ -1,0 +1,82 @@
+"""One rank of a ``fault_tolerance="continue"`` job for the membership-visibility tests: like
+tolerant_worker (rank_worker's integer gradients averaged through the node's daemon, a victim
+that vanishes in ``die_at``), with two gates so that a test can look at the daemons while the
+job is alive:
+
+- ``gate_before``: before that iteration, touch ``gated-RANK`` in ``progress_dir`` and wait
+  for ``go`` (a test arms ``commd trace`` there, between two whole iterations);
+- ``hold_after``: after that iteration, touch ``held-RANK`` and wait for ``release`` (the
+  survivors are then in the new epoch, their job alive, for status and metrics).
+
+The last stdout line is a JSON object: digests, epochs and world sizes per iteration, the
+members at the end, or the error.
+
+Usage: python membership_worker.py '<json spec>'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tolerant_worker import digest
+
+from commd_client import Client, CommdError
+
+from rank_worker import value
+
+
+def _await_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.005)  # polling a condition, with a deadline
+
+
+def main() -> None:
+    spec: dict[str, Any] = json.loads(sys.argv[1])
+    rank = spec["rank"]
+    out: dict[str, Any] = {"rank": rank, "digests": [], "epochs": [], "world_sizes": []}
+    progress = Path(spec["progress_dir"])
+    timeout = spec["timeout"]
+    try:
+        with Client(job=spec["job"], rank=rank, world_size=spec["world_size"],
+                    local_rank=0, local_world_size=1, coordinator=spec["coordinator"],
+                    socket=spec["socket"], timeout=timeout) as client:
+            layers = [(name, size) for name, size in spec["layers"]]
+            grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
+            for iteration in range(spec["iterations"]):
+                if iteration == spec.get("gate_before"):
+                    (progress / f"gated-{rank}").touch()
+                    _await_file(progress / "go", timeout)
+                victim = iteration == spec.get("die_at")
+                if victim:
+                    (progress / "victim").touch()
+                elif iteration == spec.get("loss_at"):
+                    _await_file(progress / "victim", timeout)
+                for index, (_, size) in enumerate(layers):
+                    grads[index][:] = value(rank, iteration, index, size)
+                client.ready(range(len(layers)))
+                if victim:
+                    os._exit(17)  # its node's collectives are on the wire: die while there
+                client.wait()
+                out["digests"].append(digest(grads))
+                out["epochs"].append(client.epoch)
+                out["world_sizes"].append(client.world_size)
+                if iteration == spec.get("hold_after"):
+                    (progress / f"held-{rank}").touch()
+                    _await_file(progress / "release", timeout)
+            out["members"] = list(client.members)
+    except CommdError as exc:
+        out["error"] = str(exc)
+        out["code"] = str(exc.code)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
