@@ -77,6 +77,17 @@ def start(nodes: list[LocalDaemon], tmp_path: Path, iterations: int,
     return processes
 
 
+def start_one(nodes: list[LocalDaemon], tmp_path: Path, job: str, rank: int,
+              iterations: int, extra: dict[str, Any]) -> subprocess.Popen[str]:
+    """One more rank of ``job`` (a replacement), on node ``rank`` (one rank per node)."""
+    env = {**os.environ, "COMMD_FAULT_TOLERANCE": "continue"}
+    spec = {"job": job, "rank": rank, "world_size": len(nodes), "local_rank": 0,
+            "local_world_size": 1, "coordinator": nodes[0].address,
+            "socket": nodes[rank].socket, "timeout": 60.0, "layers": LAYERS,
+            "iterations": iterations, "progress_dir": str(tmp_path / job), **extra}
+    return start_json_worker([sys.executable, WORKER], spec, env=env)
+
+
 def results(processes: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     finished = finish(processes, 120.0)
     out = []
@@ -147,19 +158,20 @@ def test_below_min_world_size_the_job_fails_as_before(nodes: list[LocalDaemon],
 
 def test_a_killed_daemon_costs_its_node_only(nodes: list[LocalDaemon], tmp_path: Path) -> None:
     """SIGKILL of node 2's daemon while the job trains: its rank fails, the others go on."""
-    iterations = 30
-    processes = start(nodes, tmp_path, iterations, {})
-    progress = tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.startswith("ft-"))
-    del progress
-    # The job is running once node 2's daemon shows it at an iteration past 2.
+    iterations, hold_at = 12, 5
+    hold = {"hold_at": hold_at, "hold_for": "killed"}
+    processes = start(nodes, tmp_path, iterations, dict.fromkeys(range(3), hold))
+    progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+    # Every rank holds before marking iteration hold_at: node 2's daemon shows it there.
     deadline = time.monotonic() + 60
     while True:
         jobs = daemon_status(nodes[2].socket)["jobs"]
-        if jobs and jobs[0]["iteration"] >= 2:
+        if jobs and jobs[0]["iteration"] == hold_at:
             break
-        assert time.monotonic() < deadline, "the job never ran"
+        assert time.monotonic() < deadline, "the job never reached the hold"
         time.sleep(0.05)  # polling a condition, with a deadline
     nodes[2].process.kill()
+    (progress / "killed").touch()
     outcome = results(processes)
     assert "error" in outcome[2]
     for rank in (0, 1):
@@ -167,7 +179,9 @@ def test_a_killed_daemon_costs_its_node_only(nodes: list[LocalDaemon], tmp_path:
         assert len(outcome[rank]["digests"]) == iterations
         assert outcome[rank]["members"] == [0, 1]
     assert outcome[0]["digests"] == outcome[1]["digests"]
-    assert outcome[0]["digests"][-1] == expected_digest([0, 1], iterations - 1)
+    for iteration in range(iterations):
+        members = [0, 1, 2] if iteration < hold_at else [0, 1]
+        assert outcome[0]["digests"][iteration] == expected_digest(members, iteration)
 
 
 @pytest.mark.parametrize("victim", [3, 2])
@@ -184,3 +198,35 @@ def test_a_node_goes_on_without_its_lost_rank(nodes: list[LocalDaemon], tmp_path
     assert outcome[victim]["returncode"] == 17
     survivors = [rank for rank in range(4) if rank != victim]
     check_survivors(outcome, survivors, lost_at, iterations, 4)
+
+
+def test_a_replacement_rejoins_the_running_job(nodes: list[LocalDaemon], tmp_path: Path) -> None:
+    """Rank 2 dies at iteration 3; a replacement started with its number joins the running
+    job (its Client learns the iteration the job is at) and all three end identical."""
+    iterations, lost_at, hold_at = 12, 3, 6
+    processes = start(nodes, tmp_path, iterations,
+                      {2: {"die_at": lost_at, "die_when": "after_ready"},
+                       0: {"loss_at": lost_at, "hold_at": hold_at},
+                       1: {"loss_at": lost_at, "hold_at": hold_at}})
+    assert processes[2].wait(timeout=60) == 17
+    job = next(p.name for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+    replacement = start_one(nodes, tmp_path, job, 2, iterations, {"joiner": True})
+    outcome = results([processes[0], processes[1], replacement])
+    joined = outcome[2]
+    assert "error" not in joined, joined
+    start_at = joined["joined_at"]
+    assert lost_at < start_at <= hold_at
+    assert len(joined["digests"]) == iterations - start_at
+    for rank in (0, 1):
+        assert "error" not in outcome[rank], outcome[rank]
+        assert outcome[rank]["members"] == [0, 1, 2]
+        assert outcome[rank]["world_sizes"][-1] == 3
+        assert outcome[rank]["digests"][start_at:] == joined["digests"]
+    assert outcome[0]["digests"] == outcome[1]["digests"]
+    for iteration in range(iterations):
+        digest = outcome[0]["digests"][iteration]
+        if iteration < lost_at or iteration >= start_at:
+            assert digest == expected_digest([0, 1, 2], iteration), iteration
+        elif iteration > lost_at:
+            assert digest == expected_digest([0, 1], iteration), iteration
+    assert joined["members"] == [0, 1, 2] and joined["epochs"][-1] == outcome[0]["epochs"][-1]

@@ -2,6 +2,11 @@
 rank_worker's integer gradients, averages them through the node's daemon and prints, as its
 last JSON line, a digest of every iteration's result with the membership it ran in.
 
+A rank with ``joiner`` set is a replacement started later with a lost rank's number: it
+joins the running job and trains from the iteration the job is at (``Client.joined_at``);
+the others hold before ``hold_at`` until it is in (or until the test creates the file
+``hold_for`` in ``progress_dir``, e.g. once it has killed a daemon).
+
 A rank given ``die_at`` vanishes in that iteration without a goodbye (``os._exit``), either
 before marking anything (``die_when="before_ready"``) or after marking every layer
 (``"after_ready"``: its node's collectives are then on the wire when it dies). Every other
@@ -52,7 +57,12 @@ def main() -> None:
             layers = [(name, size) for name, size in spec["layers"]]
             grads = client.register(layers, dtype="float64", op="avg", planner="wfbp",
                                     compression=spec.get("compression", "none"))
-            for iteration in range(spec["iterations"]):
+            out["joined_at"] = client.joined_at  # 0, or where a replacement came in
+            if spec.get("joiner"):
+                (progress / "joined").touch()
+            for iteration in range(client.joined_at, spec["iterations"]):
+                if iteration == spec.get("hold_at"):  # until the replacement is in, or
+                    _await_file(progress / spec.get("hold_for", "joined"), spec["timeout"])
                 victim = iteration == spec.get("die_at")
                 if victim:
                     (progress / "victim").touch()

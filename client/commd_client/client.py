@@ -84,6 +84,7 @@ class Client:
         self.min_world_size = env.min_world_size(min_world_size, who.world_size)
         self.membership = Membership(self.job, who.world_size)
         self.iteration = 0
+        self.joined_at = 0  # iterations the job had completed when this rank joined it
         self.plan_version = 0  # the merge plan the last iteration ran with
         self.ran_dense = False  # whether every group of it ran dense (False: top-k or unknown)
         self.groups: list[list[int]] = []
@@ -222,6 +223,9 @@ class Client:
         )
         reply = self._registered()
         self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
+        # A rank that joined a running (tolerant) job starts at the job's iteration.
+        self.iteration = self.joined_at = reply.iteration
+        self.membership.joined(reply)
         self._batch = ReadyBatcher(len(self._sizes))
         self._batch.announce(reply.plan, reply.groups)
         self.flat = flat

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from commd_protocol import Done
+from commd_protocol import Done, Registered
 
 logger = logging.getLogger("commd_client")
 
@@ -32,6 +32,12 @@ class Membership:
     def world_size(self) -> int:
         """How many ranks the current epoch has."""
         return len(self.members)
+
+    def joined(self, registered: Registered) -> None:
+        """A rank that joined a running job: the epoch and ranks it joined (quietly: the
+        change is this rank's own arrival)."""
+        if registered.members is not None and registered.epoch > self.epoch:
+            self.epoch, self.members = registered.epoch, sorted(set(registered.members))
 
     def observe(self, done: Done) -> bool:
         """Take ``done``'s membership when it names a newer epoch; True when it changed.

@@ -52,6 +52,7 @@ from commd_protocol import (
 from commd_protocol.agreement import describe_difference
 from commd_protocol.dtypes import itemsize
 from commd_protocol.errors import prefixed
+from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 from commd_protocol.status import CoordinatedJob
 
 log = logging.getLogger("commd.coordinator")
@@ -76,6 +77,10 @@ class Formation:
     # fault_tolerance="continue": its epochs (None: a lost node fails the job)
     membership: Membership | None = None
     store_port: int = 0  # where its engines' rendezvous store listens (0: one node)
+    joining: set[bytes] = field(default_factory=set)  # nodes joining in the change under way
+    first_round: dict[bytes, int] = field(default_factory=dict)  # a joiner's first report
+    plans: list[PeerPlan] = field(default_factory=list)  # the latest decisions, for joiners
+    deciding: set[int] = field(default_factory=set)  # rounds whose plan is being decided
 
     @property
     def ranks_joined(self) -> int:
@@ -178,6 +183,9 @@ class Coordinator:
             self._refuse(node, join.job, problem, code)
             return
         formation = self._jobs.get(join.job)
+        if formation is not None and formation.formed and formation.membership is not None:
+            self._admit(formation, node, join)
+            return
         if formation is not None and formation.formed:
             # A second run under the id of a running one would take its place and stall it.
             self._refuse(node, join.job, f"a run with this id is already running on "
@@ -274,9 +282,12 @@ class Coordinator:
     def _decide_if_whole(self, formation: Formation, round_number: int) -> None:
         """Once every node of the job has reported ``round_number``, decide its plan."""
         round_reports = formation.reports[round_number]
-        if len(round_reports) < len(formation.joins) or formation.replanner is None:
+        reporting = [node for node in formation.joins  # a joiner reports from its first round
+                     if formation.first_round.get(node, 0) <= round_number]
+        if any(node not in round_reports for node in reporting) or formation.replanner is None:
             return
         del formation.reports[round_number]
+        formation.deciding.add(round_number)
         work = functools.partial(_checked_decision, formation.replanner,
                                  list(round_reports.values()), self._while_planning)
         if self._planner is None:
@@ -301,6 +312,7 @@ class Coordinator:
 
     def _decided(self, formation: Formation, round_number: int,
                  decision: Decision | str) -> None:
+        formation.deciding.discard(round_number)
         if isinstance(decision, str):
             self._abort_all(formation, ErrorCode.INVALID,
                             f"a node's report is refused: {decision}")
@@ -319,8 +331,10 @@ class Coordinator:
             overhead_s=decision.overhead_s, search=decision.search,
             selection=decision.selection, candidates=decision.candidates,
         )
+        formation.plans = [*formation.plans[-2:], message]
         for member in formation.joins:
-            self._send(member, message)
+            if member not in formation.joining:  # a joiner gets the plans with its resume
+                self._send(member, message)
 
     def _abort_all(self, formation: Formation, code: str, message: str) -> None:
         text = prefixed(message, f"job {formation.job!r}: ")
@@ -442,6 +456,8 @@ class Coordinator:
             if join is not None:
                 formation.forget(join)
             formation.watch.nodes.pop(node, None)
+            formation.joining.discard(node)
+            formation.first_round.pop(node, None)
             for reports in formation.reports.values():
                 reports.pop(node, None)
         ranks = sum(len(join.ranks) for join in formation.joins.values())
@@ -485,6 +501,19 @@ class Coordinator:
             return  # the change in progress, or one already made, covers it
         host = formation.joins[node].host
         self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
+
+    def _admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
+        """A node asks to join a running tolerant job (a replacement, or more ranks): it is
+        taken in at the next change if it fits, else refused alone; the job runs on."""
+        problem = _admission_problem(formation, node, join)
+        if problem:
+            self._refuse(node, join.job, problem, ErrorCode.MISMATCH)
+            return
+        assert formation.lowest is not None
+        formation.add(node, msgspec.structs.replace(join, layers=formation.lowest.layers))
+        formation.joining.add(node)
+        formation.watch.heard(node, time.monotonic())
+        self._reform(formation, f"node {join.host} (ranks {join.ranks[:20]}) joined")
 
     def _lose_ranks(self, formation: Formation, node: bytes, fault: PeerFault) -> None:
         """Some ranks of a node are gone, its others live: the node stays with the others."""
@@ -530,11 +559,22 @@ class Coordinator:
         members = sorted(rank for join in formation.joins.values() for rank in join.ranks)
         store_port = formation.store_port if len(order) > 1 else 0
         prefix = secrets.token_hex(16)  # a new group under new keys: the old one is abandoned
+        joiners, formation.joining = formation.joining, set()
+        expect = sorted(round_number * REPORT_EVERY + DECISION_LAG
+                        for round_number in {*formation.reports, *formation.deciding}
+                        if round_number * REPORT_EVERY + DECISION_LAG >= resume)
         for index, node in enumerate(order):
             self._send(node, PeerResume(
                 job=formation.job, epoch=reform.epoch, node_index=index, nodes=len(order),
                 store_port=store_port, store_prefix=prefix, members=members,
-                iteration=resume, change=reform.change))
+                iteration=resume, change=reform.change,
+                expect=expect if node in joiners else []))
+            if node in joiners:
+                # It reports from the round its first iteration is in; it runs the plans
+                # in force from there, as the others do.
+                formation.first_round[node] = resume // REPORT_EVERY + 1
+                for plan in _plans_from(formation.plans, resume):
+                    self._send(node, plan)
         log.warning("job %s: epoch %d resumes at iteration %d with %d node(s), %d rank(s)",
                     formation.job, reform.epoch, resume, len(order), len(members))
 
@@ -549,3 +589,29 @@ class Coordinator:
             epoch=f.membership.epoch if f.membership else 0,
             membership_changes=f.membership.history if f.membership else [])
             for f in self._jobs.values()]
+
+
+def _admission_problem(formation: Formation, node: bytes, join: PeerJoin) -> str:
+    """'' when ``join`` may join the running ``formation``, else why not."""
+    if node in formation.joins:
+        return "this node is in the job already; start the new rank on another node"
+    if join.world_size != formation.world_size:
+        return (f"ranks {join.ranks[:20]} say world size {join.world_size}, the running job "
+                f"has {formation.world_size}")
+    taken = sorted(rank for rank in join.ranks if rank in formation.rank_hosts)
+    if taken:
+        return (f"rank(s) {taken[:20]} are in the running job already (on "
+                f"{formation.rank_hosts[taken[0]]}); a replacement takes a lost rank's place")
+    first = formation.lowest
+    assert first is not None
+    difference = describe_difference(first, join)
+    if difference:
+        return f"ranks {join.ranks[:20]} differ from the running job: {difference}"
+    return ""
+
+
+def _plans_from(plans: list[PeerPlan], iteration: int) -> list[PeerPlan]:
+    """The decisions a joiner at ``iteration`` needs: the one in force there and any later."""
+    in_force = [plan for plan in plans if plan.effective_iteration <= iteration]
+    later = [plan for plan in plans if plan.effective_iteration > iteration]
+    return in_force[-1:] + later

@@ -105,8 +105,9 @@ def resume_iteration(states: list[PeerReformState]) -> int | str:
     ``D``, the most iterations any survivor delivered: the others stand at ``D - 1`` with
     iteration ``D - 1`` whole and only its commit outstanding (they deliver it), or at ``D``.
     """
+    states = [state for state in states if not state.joining]  # joiners ran nothing yet
     if not states:
-        return "no node answered"
+        return "no node of the running job answered"
     most = max(state.delivered for state in states)
     for state in states:
         if state.delivered == most or (state.delivered == most - 1 and state.committing):

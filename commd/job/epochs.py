@@ -20,6 +20,7 @@ from commd_protocol import (
     Done,
     ErrorCode,
     PeerFault,
+    PeerPlan,
     PeerReform,
     PeerReformState,
     PeerResume,
@@ -100,7 +101,12 @@ def on_reform(job: Tolerant, message: PeerReform) -> None:
     """The coordinator starts epoch ``message.epoch``: stop, and say where we stand."""
     if message.epoch <= max(job.epochs.epoch, job.epochs.stopping_for):
         return  # an old or repeated change
-    if job.state in (JobState.JOINING, JobState.STARTING):
+    if job.state is JobState.JOINING:  # it joins the running job in this change
+        job.epochs.stopping_for = message.epoch
+        job.ctx.send_peer(job.coordinator, PeerReformState(
+            job=job.id, epoch=message.epoch, delivered=0, joining=True))
+        return
+    if job.state is JobState.STARTING:
         job.fail(ErrorCode.RANK_LOST, f"a node was lost while the job started: "
                  f"{message.change[:MAX_CHANGE_CHARS]}")
         return
@@ -117,7 +123,8 @@ def on_reform(job: Tolerant, message: PeerReform) -> None:
 
 def resume_problem(job: Tolerant, message: PeerResume) -> str:
     """'' when a resume fits this node's job, else what is wrong with it."""
-    if job.state is not JobState.REFORMING or message.epoch != job.epochs.stopping_for:
+    stopped = job.state in (JobState.REFORMING, JobState.JOINING)
+    if not stopped or message.epoch != job.epochs.stopping_for:
         return (f"a resume for epoch {message.epoch} while the job is {job.state} "
                 f"(stopped for epoch {job.epochs.stopping_for})")
     if not 0 <= message.node_index < message.nodes:
@@ -129,12 +136,15 @@ def resume_problem(job: Tolerant, message: PeerResume) -> str:
     return ""
 
 
-async def on_resume(job: Tolerant, message: PeerResume) -> None:
+async def on_resume(job: Joining, message: PeerResume) -> None:
     """Join the new epoch's group and go on from the coordinator's iteration."""
     problem = resume_problem(job, message)
     if problem:
-        if job.state is JobState.REFORMING:
+        if job.state in (JobState.REFORMING, JobState.JOINING):
             job.fail(ErrorCode.INVALID, f"the coordinator sent a bad resume: {problem}")
+        return
+    if job.state is JobState.JOINING:
+        await _join_running(job, message)
         return
     assert job.setup is not None
     place = msgspec.structs.replace(job.setup, node_index=message.node_index,
@@ -168,14 +178,51 @@ async def on_resume(job: Tolerant, message: PeerResume) -> None:
         job.fail(ErrorCode.INVALID, str(exc))
         return
     job.engine, job.setup, job.state = engine, place, JobState.RUNNING
+    _enter(job, message, "joined" if "joined" in message.change else "lost")
+
+
+class Joining(set_up.Starting, Tolerant, Protocol):
+    """What joining a running job needs of the job: both of the above, and its plans."""
+
+    plans_waiting: list[PeerPlan]
+
+    def on_plan(self, decision: PeerPlan) -> None: ...
+
+
+async def _join_running(job: Joining, message: PeerResume) -> None:
+    """This node joins the running job at ``message.iteration``: set up as a formed job
+    would be, minus the probe; the plans in force follow, and the first starts it."""
+    registration = job.members.first_registration()
+    place = PeerSetup(job=job.id, generation=message.epoch, node_index=message.node_index,
+                      nodes=message.nodes, store_port=message.store_port,
+                      planner=registration.planner, store_prefix=message.store_prefix)
+    job.state, job.setup = JobState.STARTING, place
+    try:
+        await set_up.set_up_joiner(job, place)
+    except set_up.SetupError as exc:
+        job.fail(ErrorCode.ENGINE, str(exc))
+        return
+    pipeline = _pipeline(job)
+    if not job.starting or pipeline is None:
+        return
+    pipeline.join_at(message.iteration, world_size=len(message.members), expect=message.expect)
+    _enter(job, message, "joined")
+    waiting, job.plans_waiting = job.plans_waiting, []
+    for plan in waiting:  # the first starts the job
+        job.on_plan(plan)
+
+
+def _enter(job: Tolerant, message: PeerResume, kind: str) -> None:
+    """The node runs in ``message``'s epoch now: record it and say so."""
     change = message.change[:MAX_CHANGE_CHARS]
     epochs = job.epochs
     epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
     epochs.changes = [*epochs.changes,
                       (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]
     if job.ctx.on_membership_change is not None:
-        job.ctx.on_membership_change(job.id, "lost")
-    if pipeline.trace is not None:  # `commd trace` armed: the change is marked on its timeline
+        job.ctx.on_membership_change(job.id, kind)
+    pipeline = _pipeline(job)
+    if pipeline is not None and pipeline.trace is not None:  # `commd trace` armed: marked
         pipeline.trace.membership(message.epoch, message.members, change,
                                   (message.node_index, message.nodes), message.iteration)
     log.warning("job %s: epoch %d: %s; node %d of %d, %d rank(s), from iteration %d", job.id,

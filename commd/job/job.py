@@ -62,6 +62,7 @@ class Job:
         self.failed_at = 0.0
         self.epochs = Epochs()  # fault_tolerance="continue": the membership's epochs
         self._done_epoch = 0  # the epoch the last finished iteration ran in
+        self.plans_waiting: list[PeerPlan] = []  # plans that came before the pipeline
         self._closed = False
 
     @property
@@ -146,6 +147,11 @@ class Job:
 
     def on_plan(self, decision: PeerPlan) -> None:
         """The coordinator's plan for a round; round 0's starts the job."""
+        if self.pipeline is None and self.state in (JobState.JOINING, JobState.STARTING):
+            # A node joining a running job gets the plans in force right after its resume,
+            # while its engine still forms: they wait for its pipeline.
+            self.plans_waiting = [*self.plans_waiting[-7:], decision]
+            return
         if self.pipeline is None or self.state not in (JobState.STARTING, JobState.RUNNING):
             return
         self.liveness.heard_at = time.monotonic()
@@ -168,8 +174,11 @@ class Job:
         self.pipeline.start()
         self.state = JobState.RUNNING
         reply = replies.registered(self.setup, decision, self.ops)
+        if self.epochs.epoch:  # joined a running job: where it stands, and its members
+            reply.iteration, reply.epoch = self.pipeline.iteration, self.epochs.epoch
+            reply.members = self.epochs.members
         for member in self.members.ranks.values():
-            member.told_plan = decision.version
+            member.told_plan, member.told_epoch = decision.version, self.epochs.epoch
             self.ctx.send_client(member.identity, reply)
         log.info("job %s running: node %d of %d, %d local ranks, %d groups (%s)", self.id,
                  self.setup.node_index, self.setup.nodes, len(self.members.ranks),

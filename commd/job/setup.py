@@ -88,6 +88,23 @@ async def set_up(job: Starting, setup: PeerSetup) -> list[list[float]] | None:
         return await probe_network(engine, job.ops)
 
 
+async def set_up_joiner(job: Starting, setup: PeerSetup) -> None:
+    """A node joining a running (tolerant) job: engine, device, pipeline; no probe (the
+    job's link model is fitted already). Raises SetupError."""
+    assert job.ops is not None
+    engine = (await start_engine(job.ctx, job.coordinator_host, job.id, job.ops, setup)
+              if setup.nodes > 1 else None)
+    if not job.starting:
+        if engine is not None:
+            engine.close()
+        return
+    job.engine = engine
+    with _step("device set-up", EngineError):
+        await job.ops.prepare(job.members.first_registration().dtype)
+    if job.starting:
+        job.pipeline, job.reporter = make_pipeline(job)
+
+
 def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
     """The job's data plane, and the reporter its records go to."""
     reg = job.members.first_registration()

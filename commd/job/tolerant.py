@@ -20,12 +20,14 @@ after the last group instead of overlapped with it, and one small all-reduce.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from commd.engines import Engine
 from commd.engines.buffer_ops import Buffer
+from commd.job.measurements import IterationGains
 from commd.job.pipeline import GroupViews, Pipeline
 from commd.job.schedule import Plan
 
@@ -119,6 +121,14 @@ class TolerantPipeline(Pipeline):
         self._watch.where = f"node {node_index} of {nodes}"
         self.start()
 
+    def join_at(self, iteration: int, *, world_size: int, expect: list[int]) -> None:
+        """A node that joins a running job starts at its ``iteration`` (before ``start``),
+        awaiting the decisions the others await (``expect``)."""
+        self.iteration = iteration
+        self.world_size = world_size
+        for pending in expect:
+            self.expect_decision(pending)
+
     def _complete_committed(self) -> None:
         """The iteration whose commit went through elsewhere: done here too."""
         plan = self._in_flight or self.plan
@@ -126,6 +136,12 @@ class TolerantPipeline(Pipeline):
         done = self.iteration
         self.done_plan = plan
         self.iteration += 1
-        self._ready.next_iteration()
+        ready_at = self._ready.next_iteration()
+        # Its record too (without the abandoned timings): the report rounds count iterations,
+        # and a round this node never reported would hold every node's next plan.
+        gains = (self.compression.end_iteration(plan.exchanges)
+                 if self.compression is not None else IterationGains())
+        self._on_record(self._records_clock.record(plan, done, ready_at, [], gains,
+                                                   time.monotonic()))
         self._on_complete(done, plan)
 

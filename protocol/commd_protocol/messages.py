@@ -123,6 +123,12 @@ class Registered(_Msg, tag="registered"):
     groups: list[list[int]]  # forward-order layer indices, in communication order
     planner: str
     plan: int = 0  # the version of the plan whose ``groups`` these are
+    # fault_tolerance="continue": a rank that joined a running job learns here the iterations
+    # the job had completed (its first wait is for that one; 0 for a fresh job), the epoch
+    # and its ranks
+    iteration: int = 0
+    epoch: int = 0
+    members: list[int] | None = None
     done_event: bytes = b""  # device jobs: cudaIpcEventHandle_t of the daemon's completion
     # event; recorded before every ``done``, the client's stream waits on it
 

@@ -185,6 +185,7 @@ class PeerReformState(_Msg, tag="peer_reform_state"):
     # iteration ``delivered`` finished every group and waited only for the job-wide commit:
     # its results are whole on this node
     committing: bool = False
+    joining: bool = False  # the node joins the running job in this change (it ran nothing)
 
 
 class PeerResume(_Msg, tag="peer_resume"):
@@ -201,6 +202,10 @@ class PeerResume(_Msg, tag="peer_resume"):
     members: list[int]  # the ranks of the new epoch, sorted
     iteration: int
     change: str = ""
+    # a joining node: the iterations from ``iteration`` on whose plan is still being decided
+    # (the others wait for it before running them, so must the joiner)
+    expect: Annotated[list[int], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=list)
 
 
 class PeerFault(_Msg, tag="peer_fault"):
