@@ -7,10 +7,12 @@ the environment; no torch process group).
 The spec (JSON, the last argument):
 
 - ``out``: the folder for ``rank<N>.pt``: ``{"state", "optimizer", "world_size", "members",
-  "world_sizes", "steps"}`` after training, or ``{"error", "error_type", "commd_error",
-  "steps"}`` when training raised (then the script exits 1, as an uncaught exception would).
+  "world_sizes", "steps", "step_seconds"}`` after training, or ``{"error", "error_type",
+  "commd_error", "steps"}`` when training raised (then the script exits 1, as an uncaught
+  exception would).
 - ``steps``; ``fault_tolerance``: the wrapper's keyword, or None to leave it out (the
-  default, "fail").
+  default, "fail"); ``planner`` likewise (None: the daemon's choice, which may merge this
+  small model into one group; "wfbp": a group per layer, each sent as soon as it is ready).
 - ``kill_step`` and ``kill_when`` for the victim (only the rank given them): ``"backward"``
   exits (``os._exit(17)``) inside the backward of that step, from a hook on the middle
   layer's weight that runs after the wrapper's own hook on it (so the gradients of the layers
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +75,8 @@ def main() -> int:
     kill_when = spec.get("kill_when")
     torch.manual_seed(7 + rank)  # different weights per rank: the wrapper broadcasts rank 0's
     model = Net()
-    keywords = {} if spec["fault_tolerance"] is None else {
-        "fault_tolerance": spec["fault_tolerance"]}
+    keywords = {name: spec[name] for name in ("fault_tolerance", "planner")
+                if spec.get(name) is not None}
     ddp = DistributedDataParallel(model, **keywords)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     armed = [False]
@@ -86,6 +89,7 @@ def main() -> int:
     model.mid.weight.register_post_accumulate_grad_hook(die_in_backward)
     data = torch.Generator().manual_seed(100 + rank)
     world_sizes: list[int] = []
+    step_seconds: list[float] = []  # for a failure's message: where the survivors paused
     step = 0
     try:
         for step in range(spec["steps"]):
@@ -94,11 +98,13 @@ def main() -> int:
             if step == kill_step and kill_when == "between":
                 os._exit(VICTIM_EXIT)
             armed[0] = step == kill_step and kill_when == "backward"
+            started = time.monotonic()
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             optimizer.step()
             world_sizes.append(ddp.world_size)
+            step_seconds.append(time.monotonic() - started)
         ddp.eval()
         ddp(torch.randn(BATCH, 8, generator=data))  # the buffers: the source's, untouched
     except CommdError as exc:
@@ -113,7 +119,7 @@ def main() -> int:
     save(out, rank, {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                      "optimizer": optimizer.state_dict(), "world_size": ddp.world_size,
                      "members": list(ddp.members), "world_sizes": world_sizes,
-                     "steps": len(world_sizes)})
+                     "steps": len(world_sizes), "step_seconds": step_seconds})
     return 0
 
 

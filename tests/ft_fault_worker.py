@@ -3,10 +3,13 @@ daemon, a cut link): rank_worker's integer gradients averaged through the node's
 digest of every iteration's result with the membership it ran in, as tolerant_worker.py
 writes them, plus when and how it failed.
 
-The fault is injected from outside, between two iterations: before iteration ``hold_at``
-every rank touches ``<progress_dir>/held-<rank>`` and waits for ``<progress_dir>/go``. The
-test waits for every rank to be held, injects the fault, then touches ``go``: the loss lands
-in iteration ``hold_at`` on every rank, whatever the machine's speed.
+The fault is injected from outside, in iteration ``hold_at``: before it, every rank of
+``hold_ranks`` (default: all) touches ``<progress_dir>/held-<rank>`` and waits for
+``<progress_dir>/go``; every other rank goes on, marks its layers, touches
+``<progress_dir>/marked-<rank>`` and waits for the result. The test waits for those files,
+injects the fault, then touches ``go``: the loss lands in iteration ``hold_at`` on every
+rank, whatever the machine's speed, either between two iterations (all held) or while the
+other ranks wait for the held ones.
 
 The last line of stdout is JSON: ``digests``, ``epochs``, ``world_sizes``, ``members``; on a
 CommdError also ``error``, ``code``, ``error_type`` and ``error_at`` (``time.time()`` when
@@ -51,12 +54,15 @@ def main() -> None:
                     timeout=spec["timeout"], fault_tolerance="continue") as client:
             layers = [(name, size) for name, size in spec["layers"]]
             grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
+            held = rank in spec.get("hold_ranks", range(spec["world_size"]))
             for iteration in range(spec["iterations"]):
-                if iteration == spec["hold_at"]:
+                if iteration == spec["hold_at"] and held:
                     await_go(progress, rank, spec["timeout"])
                 for index, (_, size) in enumerate(layers):
                     grads[index][:] = value(rank, iteration, index, size)
                 client.ready(range(len(layers)))
+                if iteration == spec["hold_at"] and not held:
+                    (progress / f"marked-{rank}").touch()
                 client.wait()
                 out["digests"].append(digest(grads))
                 out["epochs"].append(client.epoch)

@@ -4,8 +4,8 @@ step 5 of 12 costs the survivors nothing but its share of the batch.
 ``tests/ft_ddp_worker.py`` trains a small model with BatchNorm (buffers broadcast before each
 forward) under SGD with momentum, fixed seeds, each rank started as torchrun starts one; real
 daemons on 127.0.0.1, real Gloo. The victim leaves with ``os._exit`` (no goodbye) inside a
-backward hook of the middle layer (the gradients after it already handed over) or between
-two steps.
+backward hook of the middle layer (the gradients after it already handed over; with the
+"wfbp" planner their groups are then on the wire) or between two steps.
 
 - ``test_survivors_finish_identical``: rank 2, then rank 0 (the buffer broadcast's source:
   it moves to rank 1), each way: the survivors run every step without an error, end with
@@ -78,7 +78,7 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Local
 
 
 def train(nodes: list[LocalDaemon], out: Path, *, ranks_per_node: int = 1,
-          fault_tolerance: str | None = "continue",
+          fault_tolerance: str | None = "continue", planner: str | None = None,
           victim: int | None = None, when: str | None = None) -> list[dict[str, Any]]:
     """One run, rank r on node r // ranks_per_node; each rank's record, with its exit code
     (``returncode``) and output (``log``)."""
@@ -95,7 +95,7 @@ def train(nodes: list[LocalDaemon], out: Path, *, ranks_per_node: int = 1,
                "COMMD_COORDINATOR": nodes[0].address, "COMMD_SOCKET": node.socket,
                "COMMD_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
         spec: dict[str, Any] = {"out": str(out), "steps": STEPS,
-                                "fault_tolerance": fault_tolerance}
+                                "fault_tolerance": fault_tolerance, "planner": planner}
         if rank == victim:
             spec.update(kill_step=KILL_STEP, kill_when=when)
         processes.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env,
@@ -142,14 +142,21 @@ def unbroken(three_nodes: list[LocalDaemon],
     return records[0]
 
 
-CASES = [(2, "backward"), (2, "between"), (0, "backward"), (0, "between")]
+# (victim, when, planner): mid-backward with the daemon's plan and with a group per layer
+CASES = [(2, "backward", None), (2, "backward", "wfbp"), (2, "between", None),
+         (0, "backward", "wfbp"), (0, "between", None)]
 
 
-@pytest.mark.parametrize(("victim", "when"), CASES,
-                         ids=[f"rank{victim}-{when}" for victim, when in CASES])
+def case_id(victim: int, when: str, planner: str | None) -> str:
+    return f"rank{victim}-{when}" + (f"-{planner}" if planner else "")
+
+
+@pytest.mark.parametrize(("victim", "when", "planner"), CASES,
+                         ids=[case_id(*case) for case in CASES])
 def test_survivors_finish_identical(three_nodes: list[LocalDaemon], unbroken: dict[str, Any],
-                                    tmp_path: Path, victim: int, when: str) -> None:
-    records = train(three_nodes, tmp_path / "run", victim=victim, when=when)
+                                    tmp_path: Path, victim: int, when: str,
+                                    planner: str | None) -> None:
+    records = train(three_nodes, tmp_path / "run", planner=planner, victim=victim, when=when)
     assert records[victim]["returncode"] == VICTIM_EXIT, records[victim]["log"]
     survivors = [rank for rank in range(3) if rank != victim]
     for rank in survivors:
@@ -178,18 +185,19 @@ def test_the_default_still_fails(three_nodes: list[LocalDaemon], tmp_path: Path)
         assert record["steps"] == KILL_STEP, record
 
 
-LOCAL_CASES = [(3, "backward"), (2, "between")]
+LOCAL_CASES = [(3, "backward", "wfbp"), (2, "between", None)]
 
 
-@pytest.mark.parametrize(("victim", "when"), LOCAL_CASES,
-                         ids=[f"rank{victim}-{when}" for victim, when in LOCAL_CASES])
-def test_a_lost_local_rank_leaves_its_node_training(tmp_path: Path, victim: int,
-                                                    when: str) -> None:
+@pytest.mark.parametrize(("victim", "when", "planner"), LOCAL_CASES,
+                         ids=[case_id(*case) for case in LOCAL_CASES])
+def test_a_lost_local_rank_leaves_its_node_training(tmp_path: Path, victim: int, when: str,
+                                                    planner: str | None) -> None:
     """Node 1 holds ranks 2 and 3; one of them dies while the other lives: the other three
     finish with world size 3 and identical state."""
     nodes = start_daemons(tmp_path, 2)
     try:
-        records = train(nodes, tmp_path / "run", ranks_per_node=2, victim=victim, when=when)
+        records = train(nodes, tmp_path / "run", ranks_per_node=2, planner=planner,
+                        victim=victim, when=when)
     finally:
         for daemon in nodes:
             daemon.stop()

@@ -2,10 +2,12 @@
 answering (SIGSTOP) and a link cut in a network namespace. Three daemons with
 ``--peer-timeout-s 3``, one rank each (``tests/ft_fault_worker.py``), real Gloo.
 
-Every rank is held before iteration ``HOLD_AT`` until the fault is in place, so the loss
-lands there on every rank: before it the survivors' averages are all three ranks', from it
-on exactly the two survivors'. The survivors must run every iteration without an error,
-agree bit for bit and see members [0, 1].
+The fault lands in iteration ``HOLD_AT`` on every rank (``ft_fault_worker``'s hold): either
+``between`` two iterations (every rank held until the fault is in place) or ``in_wait``
+(only node 2's rank is held; the survivors have marked their layers and wait for node 2 when
+it fails). Either way node 2 contributed nothing to that iteration: before it the survivors'
+averages are all three ranks', from it on exactly the two survivors'. The survivors must run
+every iteration without an error, agree bit for bit and see members [0, 1].
 
 - ``test_a_stopped_daemon_is_dropped``: node 2's daemon is stopped; once the survivors have
   finished it is continued, and its rank must get a CommdError soon after (its node was
@@ -65,7 +67,7 @@ def daemons(workdir: Path, prefixes: Sequence[Sequence[str]] = ((), (), ()),
     assert commd_segments() <= before
 
 
-def start(nodes: list[LocalDaemon], progress: Path) -> list[subprocess.Popen[str]]:
+def start(nodes: list[LocalDaemon], progress: Path, when: str) -> list[subprocess.Popen[str]]:
     job = f"ftf-{uuid.uuid4().hex[:8]}"
     progress.mkdir()
     processes = []
@@ -73,15 +75,18 @@ def start(nodes: list[LocalDaemon], progress: Path) -> list[subprocess.Popen[str
         spec = {"job": job, "rank": rank, "world_size": len(nodes), "local_rank": 0,
                 "local_world_size": 1, "coordinator": nodes[0].address, "socket": node.socket,
                 "timeout": CLIENT_TIMEOUT_S, "layers": LAYERS, "iterations": ITERATIONS,
-                "hold_at": HOLD_AT, "progress_dir": str(progress)}
+                "hold_at": HOLD_AT, "progress_dir": str(progress),
+                "hold_ranks": [0, 1, 2] if when == "between" else [2]}
         processes.append(start_json_worker([sys.executable, WORKER], spec))
     return processes
 
 
-def await_held(progress: Path, processes: list[subprocess.Popen[str]]) -> None:
-    """Every rank waits before iteration HOLD_AT; polled, with a deadline."""
+def await_held(progress: Path, processes: list[subprocess.Popen[str]], when: str) -> None:
+    """Every rank is where ``when`` wants it in iteration HOLD_AT; polled, with a deadline."""
+    files = ["held-0", "held-1"] if when == "between" else ["marked-0", "marked-1"]
+    files.append("held-2")
     deadline = time.monotonic() + 60
-    while not all((progress / f"held-{rank}").exists() for rank in range(len(processes))):
+    while not all((progress / name).exists() for name in files):
         exited = [rank for rank, p in enumerate(processes) if p.poll() is not None]
         assert not exited, f"ranks {exited} exited before the fault"
         assert time.monotonic() < deadline, "the ranks never reached the fault"
@@ -120,13 +125,14 @@ def check_survivors(outcome: list[dict[str, Any]]) -> None:
         assert first[iteration] == expected_digest(ranks, iteration), iteration
 
 
-def run_fault(nodes: list[LocalDaemon], progress: Path, fault: Any) -> tuple[
+def run_fault(nodes: list[LocalDaemon], progress: Path, when: str, fault: Any) -> tuple[
         list[dict[str, Any]], list[subprocess.Popen[str]]]:
-    """Start the job, inject ``fault()`` while every rank is held, let them go, and collect
-    the survivors; returns their records and every process (node 2's rank still running)."""
-    processes = start(nodes, progress)
+    """Start the job, inject ``fault()`` in iteration HOLD_AT, let the held ranks go, and
+    collect the survivors; returns their records and every process (node 2's rank still
+    running)."""
+    processes = start(nodes, progress, when)
     try:
-        await_held(progress, processes)
+        await_held(progress, processes, when)
         fault()
         (progress / "go").touch()
         return collect(processes[:2], 90, nodes), processes
@@ -135,11 +141,15 @@ def run_fault(nodes: list[LocalDaemon], progress: Path, fault: Any) -> tuple[
         raise
 
 
-def test_a_stopped_daemon_is_dropped(tmp_path: Path) -> None:
+WHEN = ["between", "in_wait"]
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_a_stopped_daemon_is_dropped(tmp_path: Path, when: str) -> None:
     with daemons(tmp_path) as nodes:
         victim = nodes[2].process
         try:
-            outcome, processes = run_fault(nodes, tmp_path / "progress",
+            outcome, processes = run_fault(nodes, tmp_path / "progress", when,
                                            lambda: victim.send_signal(signal.SIGSTOP))
         finally:
             continued_at = time.time()
@@ -154,7 +164,8 @@ def test_a_stopped_daemon_is_dropped(tmp_path: Path) -> None:
 
 
 @pytest.mark.netns
-def test_a_cut_link_is_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", WHEN)
+def test_a_cut_link_is_dropped(tmp_path: Path, when: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -167,7 +178,7 @@ def test_a_cut_link_is_dropped(tmp_path: Path) -> None:
     try:
         with daemons(tmp_path, [bed.argv(node, []) for node in range(3)],
                      [bed.address(node) for node in range(3)]) as nodes:
-            outcome, processes = run_fault(nodes, tmp_path / "progress", lambda: bed.run(
+            outcome, processes = run_fault(nodes, tmp_path / "progress", when, lambda: bed.run(
                 2, ["ip", "link", "set", "eth0", "down"]))
             (cut,) = collect(processes[2:], CLIENT_TIMEOUT_S, nodes)
             logs = nodes[2].log()[-3000:]
