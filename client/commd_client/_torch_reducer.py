@@ -247,13 +247,19 @@ class Reducer:
 
     # --- registration ----------------------------------------------------------------------------
 
-    def _register(self) -> None:
+    def register_now(self) -> None:
+        """Register before any backward, in reverse definition order (the usual backward
+        order) without asking rank 0: ``fault_tolerance="continue"``, whose joiners must
+        register the running job's layout without a first backward of their own."""
+        self._register(agree=False)
+
+    def _register(self, agree: bool = True) -> None:
         """First synchronising backward: agree on the order and register (``_mark_rest`` then
         copies this iteration's gradients in and makes ``.grad`` the views)."""
         seen = list(self._observed)
         unseen = [i for i in reversed(range(len(self.params))) if i not in self._observed]
         order = seen + unseen  # ready order, first ready first
-        if self.endpoint.world_size > 1:
+        if agree and self.endpoint.world_size > 1:
             try:
                 order = broadcast_order(self.endpoint, order, self._order)
             finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -19,6 +19,7 @@ from commd_protocol import (
     ErrorCode,
     Goodbye,
     Hello,
+    Joining,
     Layer,
     Ready,
     Register,
@@ -85,6 +86,10 @@ class Client:
         self.membership = Membership(self.job, who.world_size)
         self.iteration = 0
         self.joined_at = 0  # iterations the job had completed when this rank joined it
+        self.joined = False  # this rank joined a running job (fault_tolerance="continue")
+        self.state_source = -1  # then: the rank that gives it the training state
+        # fault_tolerance="continue": called inside wait() when ranks join the running job
+        self.on_joining: Callable[[Joining], None] | None = None
         self.plan_version = 0  # the merge plan the last iteration ran with
         self.ran_dense = False  # whether every group of it ran dense (False: top-k or unknown)
         self.groups: list[list[int]] = []
@@ -225,6 +230,7 @@ class Client:
         self.groups, self.nodes, self.planner = reply.groups, reply.nodes, reply.planner
         # A rank that joined a running (tolerant) job starts at the job's iteration.
         self.iteration = self.joined_at = reply.iteration
+        self.joined, self.state_source = reply.epoch > 0, reply.source
         self.membership.joined(reply)
         self._batch = ReadyBatcher(len(self._sizes))
         self._batch.announce(reply.plan, reply.groups)
@@ -314,6 +320,10 @@ class Client:
         while not (isinstance(reply, Done) and reply.iteration == self.iteration):
             if isinstance(reply, Error):
                 raise self._latch(reply)
+            if isinstance(reply, Joining) and self.on_joining is not None:
+                # Ranks joined: this iteration waits for them, and they may wait for this
+                # rank's state (the DDP wrapper's handler gives it, when this is the source).
+                self.on_joining(reply)
             reply = self._connection.receive(budget, f"iteration {self.iteration} to be reduced")
         if self._device is not None:
             self._device.wait_done(stream)

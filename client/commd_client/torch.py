@@ -44,8 +44,9 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from commd_protocol import CommdError
+from commd_protocol import CommdError, CommdTypeError, CommdValueError, Joining
 
+from . import _torch_rejoin as rejoin
 from . import env
 from ._torch_common import Broadcaster, Endpoint, broadcast_once, check_cpu
 from ._torch_hooks import builtin_hook, wire_dtype
@@ -154,6 +155,12 @@ class DistributedDataParallel(_TorchDDP):
         self.reducer = ReducerSurface(self._reducer)  # type: ignore[assignment]
         self.logger = DdpLogger(self)  # type: ignore[assignment]
         self._hook_registered = False
+        # fault_tolerance="continue": what register_state names, the state received on
+        # joining a running job, and the iterations the job had completed then
+        self._states: dict[str, rejoin.Stateful] = {}
+        self._received: dict[str, Any] | None = None
+        self.joined_at_step = 0
+        self._buffers_fresh = False  # a joiner's first forward keeps the source's buffers
         self._buffers_sync: Broadcaster | None = None
         self._broadcasters: list[Broadcaster] = []
         self._one_offs = itertools.count(1)  # suffixes of the final-model broadcasts
@@ -186,11 +193,24 @@ class DistributedDataParallel(_TorchDDP):
     def _start(self, sync: bool, with_buffers: bool) -> None:
         if self.endpoint.world_size == 1:
             return
+        if self.endpoint.fault_tolerance == "continue":
+            # The gradient jobs first: they tell a replacement that it joins a running job,
+            # which then takes a live peer's state instead of rank 0's initial one.
+            self._reducer.register_now()
+            gradients = self._reducer._slots.buckets[0].client
+            gradients.on_joining = self._give_state
+            self.joined_at_step = gradients.joined_at
+            if gradients.joined:
+                self._received = rejoin.unpack(rejoin.receive(self.endpoint, gradients.epoch))
+                rejoin.load_module(self.module, self._received)
+                self._buffers_fresh = True  # the source's, as its last forward left them
+                sync = False
         if sync:
             named = list(self.module.named_parameters())
             broadcast_once(self.endpoint, ".init",
                            named + (list(self.module.named_buffers()) if with_buffers else []))
-        self._reducer.form_order_job()
+        if not self._reducer.registered:
+            self._reducer.form_order_job()
         has_buffers = any(buffer.numel() for _, buffer in self.module.named_buffers())
         if self.forward_sync_buffers and has_buffers:
             self._buffers_sync = Broadcaster(
@@ -199,6 +219,32 @@ class DistributedDataParallel(_TorchDDP):
             self._broadcasters.append(self._buffers_sync)
 
     # --- membership -----------------------------------------------------------------------------
+
+    def register_state(self, name: str, obj: rejoin.Stateful) -> None:
+        """Training state a replacement rank must receive besides the model (the optimizer, an
+        LR scheduler, the loop's own counter: anything with ``state_dict`` and
+        ``load_state_dict``), under ``fault_tolerance="continue"``. On a rank that joined a
+        running job, ``obj`` is loaded at once with the live peer's state of ``name``."""
+        if not isinstance(name, str) or not name:
+            raise CommdTypeError(f"commd: register_state needs a non-empty name, not {name!r}")
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise CommdTypeError(f"commd: register_state({name!r}): {type(obj).__name__} has no "
+                                 "state_dict/load_state_dict")
+        if name in self._states:
+            raise CommdValueError(f"commd: register_state({name!r}) twice")
+        self._states[name] = obj
+        if self._received is not None:
+            rejoin.load_state(name, obj, self._received)
+
+    def _give_state(self, notice: Joining) -> None:
+        """Ranks joined the running job; the source gives each the training state (inside
+        its wait for the iteration they complete, so with exactly the updates they need)."""
+        if self.endpoint.rank != notice.source:
+            return
+        blob = rejoin.pack(self.module, self._states, notice.iteration)
+        for joiner in notice.ranks:
+            rejoin.send(self.endpoint, notice.epoch, joiner, blob)
 
     @property
     def world_size(self) -> int:
@@ -223,7 +269,9 @@ class DistributedDataParallel(_TorchDDP):
             if grad_enabled:
                 self._reducer.prepare_forward()
             self._join_forward()
-            if self.will_sync_module_buffers():
+            if self._buffers_fresh:  # joined: this step's buffer broadcast ran before it
+                self._buffers_fresh = False
+            elif self.will_sync_module_buffers():
                 source = 0
                 if self._join_config.enable:  # rank 0 may have joined: its buffers are stale
                     source = common_rank(self.process_group, self.endpoint.rank, True)

@@ -348,7 +348,8 @@ class Coordinator:
         if formation is None or node not in formation.joins:
             return  # only a node of the job may abort it
         if formation.membership is not None and abort.code in LOSS_CODES:
-            self._lose(formation, [node], abort.message)
+            self._lose(formation, [node],
+                       abort.message.removeprefix(f"commd: job {abort.job!r}: "))
             return
         del self._jobs[abort.job]
         for other in formation.joins:
@@ -560,6 +561,8 @@ class Coordinator:
         store_port = formation.store_port if len(order) > 1 else 0
         prefix = secrets.token_hex(16)  # a new group under new keys: the old one is abandoned
         joiners, formation.joining = formation.joining, set()
+        source = min((rank for node, join in formation.joins.items() if node not in joiners
+                      for rank in join.ranks), default=-1)
         expect = sorted(round_number * REPORT_EVERY + DECISION_LAG
                         for round_number in {*formation.reports, *formation.deciding}
                         if round_number * REPORT_EVERY + DECISION_LAG >= resume)
@@ -568,7 +571,7 @@ class Coordinator:
                 job=formation.job, epoch=reform.epoch, node_index=index, nodes=len(order),
                 store_port=store_port, store_prefix=prefix, members=members,
                 iteration=resume, change=reform.change,
-                expect=expect if node in joiners else []))
+                expect=expect if node in joiners else [], source=source))
             if node in joiners:
                 # It reports from the round its first iteration is in; it runs the plans
                 # in force from there, as the others do.

@@ -13,12 +13,14 @@ import msgspec
 from commd.engines import Engine
 from commd.engines.buffer_ops import BufferOps
 from commd.job import setup as set_up
+from commd.job.members import Members
 from commd.job.pipeline import Pipeline
 from commd.job.state import Epochs, JobContext
 from commd.job.tolerant import ResumeError, TolerantPipeline
 from commd_protocol import (
     Done,
     ErrorCode,
+    Joining,
     PeerFault,
     PeerPlan,
     PeerReform,
@@ -42,6 +44,7 @@ class Tolerant(Protocol):
     coordinator: str
     world_size: int  # the job's first world size
     ops: BufferOps | None
+    members: Members
     state: JobState
     setup: PeerSetup | None
     engine: Engine | None
@@ -136,7 +139,7 @@ def resume_problem(job: Tolerant, message: PeerResume) -> str:
     return ""
 
 
-async def on_resume(job: Joining, message: PeerResume) -> None:
+async def on_resume(job: JoiningJob, message: PeerResume) -> None:
     """Join the new epoch's group and go on from the coordinator's iteration."""
     problem = resume_problem(job, message)
     if problem:
@@ -181,7 +184,7 @@ async def on_resume(job: Joining, message: PeerResume) -> None:
     _enter(job, message, "joined" if "joined" in message.change else "lost")
 
 
-class Joining(set_up.Starting, Tolerant, Protocol):
+class JoiningJob(set_up.Starting, Tolerant, Protocol):
     """What joining a running job needs of the job: both of the above, and its plans."""
 
     plans_waiting: list[PeerPlan]
@@ -189,7 +192,7 @@ class Joining(set_up.Starting, Tolerant, Protocol):
     def on_plan(self, decision: PeerPlan) -> None: ...
 
 
-async def _join_running(job: Joining, message: PeerResume) -> None:
+async def _join_running(job: JoiningJob, message: PeerResume) -> None:
     """This node joins the running job at ``message.iteration``: set up as a formed job
     would be, minus the probe; the plans in force follow, and the first starts it."""
     registration = job.members.first_registration()
@@ -206,6 +209,7 @@ async def _join_running(job: Joining, message: PeerResume) -> None:
     if not job.starting or pipeline is None:
         return
     pipeline.join_at(message.iteration, world_size=len(message.members), expect=message.expect)
+    job.epochs.source = message.source
     _enter(job, message, "joined")
     waiting, job.plans_waiting = job.plans_waiting, []
     for plan in waiting:  # the first starts the job
@@ -216,6 +220,16 @@ def _enter(job: Tolerant, message: PeerResume, kind: str) -> None:
     """The node runs in ``message``'s epoch now: record it and say so."""
     change = message.change[:MAX_CHANGE_CHARS]
     epochs = job.epochs
+    before = set(epochs.members) if epochs.epoch else set(range(job.world_size))
+    joined = sorted(set(message.members) - before)
+    if joined and before & set(message.members) and job.state is JobState.RUNNING:
+        # This node was in the job: its ranks hear of the joiners, the lowest old one
+        # gives them the training state.
+        notice = Joining(epoch=message.epoch, ranks=joined, iteration=message.iteration,
+                         source=min(before & set(message.members)))
+        for member in job.members.ranks.values():
+            if not member.left:
+                job.ctx.send_client(member.identity, notice)
     epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
     epochs.changes = [*epochs.changes,
                       (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]

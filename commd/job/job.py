@@ -177,6 +177,7 @@ class Job:
         if self.epochs.epoch:  # joined a running job: where it stands, and its members
             reply.iteration, reply.epoch = self.pipeline.iteration, self.epochs.epoch
             reply.members = self.epochs.members
+            reply.source = self.epochs.source
         for member in self.members.ranks.values():
             member.told_plan, member.told_epoch = decision.version, self.epochs.epoch
             self.ctx.send_client(member.identity, reply)

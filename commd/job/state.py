@@ -93,6 +93,7 @@ class Epochs:
     # (epoch, its ranks, what changed), oldest first
     changes: list[tuple[int, list[int], str]] = field(default_factory=list)
     stopping_for: int = 0  # the epoch the node stopped for (answered a reform), 0: none
+    source: int = -1  # a joining node: the rank that gives its ranks the training state
 
     def members_of(self, epoch: int) -> list[int]:
         """The ranks of ``epoch`` ([] when it is not kept)."""

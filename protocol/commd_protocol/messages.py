@@ -129,6 +129,7 @@ class Registered(_Msg, tag="registered"):
     iteration: int = 0
     epoch: int = 0
     members: list[int] | None = None
+    source: int = -1  # a joiner: the rank that gives it the training state
     done_event: bytes = b""  # device jobs: cudaIpcEventHandle_t of the daemon's completion
     # event; recorded before every ``done``, the client's stream waits on it
 
@@ -170,6 +171,17 @@ class Progress(_Msg, tag="progress"):
     waiting_for: str = ""
 
 
+class Joining(_Msg, tag="joining"):
+    """fault_tolerance="continue": ranks joined the running job, which resumes at
+    ``iteration`` once they have marked it. Sent to the ranks already in it: rank ``source``
+    gives the joiners the training state (the DDP wrapper does, from inside its ``wait``)."""
+
+    epoch: int
+    ranks: list[int]  # the ranks that joined
+    iteration: int
+    source: int  # the lowest rank that was in the job before
+
+
 class StatusReply(_Msg, tag="status_reply"):
     status: dict[str, object]
 
@@ -196,4 +208,4 @@ class TraceReply(_Msg, tag="trace_reply"):
 
 ClientMessage = Hello | Register | Ready | Wait | StatusRequest | Goodbye | TraceRequest
 DaemonMessage = (Welcome | Registered | Done | Error | StatusReply | Progress
-                 | TraceReply)
+                 | TraceReply | Joining)

@@ -206,6 +206,7 @@ class PeerResume(_Msg, tag="peer_resume"):
     # (the others wait for it before running them, so must the joiner)
     expect: Annotated[list[int], msgspec.Meta(max_length=64)] = msgspec.field(
         default_factory=list)
+    source: int = -1  # a joining node: the lowest rank that was in the job before
 
 
 class PeerFault(_Msg, tag="peer_fault"):

@@ -1,0 +1,130 @@
+"""A rank that joins a running ``fault_tolerance="continue"`` job gets its training state from
+a live peer, through commd.
+
+The state is one ``torch.save`` of the module's parameters and buffers, every object given to
+``register_state`` (its ``state_dict()``) and the step the job is at. It travels through two
+short jobs of two ranks, the source (rank 0 there) and the joiner (rank 1): one element for
+its length, then its bytes, four to a float64 (exact: every uint32 is). The source is the
+lowest rank that was in the job before the change; it gives the state from inside its
+``wait`` for the iteration the joiner completes, when its parameters have had exactly the
+updates the joiner's first step needs.
+
+The joiner loads it with ``torch.load(weights_only=True)``: tensors and plain containers
+only, so a peer cannot make it run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from commd_protocol import CommdError
+
+from ._torch_common import Broadcaster, Endpoint
+
+_WORD = 4  # bytes per float64 element: a uint32 is exact in float64
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def pack(module: torch.nn.Module, states: Mapping[str, Stateful], step: int) -> bytes:
+    """The training state as bytes."""
+    payload = {
+        "parameters": {name: p.detach() for name, p in module.named_parameters()},
+        "buffers": {name: b.detach() for name, b in module.named_buffers()},
+        "states": {name: obj.state_dict() for name, obj in states.items()},
+        "step": step,
+    }
+    sink = io.BytesIO()
+    torch.save(payload, sink)
+    return sink.getvalue()
+
+
+def unpack(blob: bytes) -> dict[str, Any]:
+    try:
+        payload = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as exc:
+        raise CommdError(f"commd: the training state from the live peer is unreadable: {exc}") \
+            from None
+    if not isinstance(payload, dict) or not {"parameters", "buffers", "states", "step"} \
+            <= payload.keys():
+        raise CommdError("commd: the training state from the live peer is not commd's")
+    return payload
+
+
+def load_module(module: torch.nn.Module, payload: Mapping[str, Any]) -> None:
+    """Overwrite the module's parameters and buffers with the peer's; CommdError naming the
+    first tensor that differs in name or shape (a joiner with another model)."""
+    for kind, named in (("parameters", list(module.named_parameters())),
+                        ("buffers", list(module.named_buffers()))):
+        theirs: Mapping[str, torch.Tensor] = payload[kind]
+        ours = dict(named)
+        if list(theirs) != list(ours):
+            missing = sorted(set(ours) ^ set(theirs))
+            raise CommdError(
+                f"commd: this rank's model does not match the running job's: {kind} differ "
+                f"({missing[:5]}); every rank must run the same model")
+        for name, tensor in ours.items():
+            if theirs[name].shape != tensor.shape or theirs[name].dtype != tensor.dtype:
+                raise CommdError(
+                    f"commd: this rank's model does not match the running job's: {name!r} is "
+                    f"{tuple(tensor.shape)} {tensor.dtype} here, {tuple(theirs[name].shape)} "
+                    f"{theirs[name].dtype} in the job")
+        with torch.no_grad():
+            for name, tensor in ours.items():
+                tensor.copy_(theirs[name])
+
+
+def load_state(name: str, obj: Stateful, payload: Mapping[str, Any]) -> None:
+    """``obj.load_state_dict`` with the peer's state of ``name``, if it sent one."""
+    states: Mapping[str, Any] = payload["states"]
+    if name in states:
+        obj.load_state_dict(states[name])
+
+
+def _pair(endpoint: Endpoint, epoch: int, joiner: int, role: int) -> Endpoint:
+    """The endpoint of one transfer job: the source is its rank 0, the joiner its rank 1.
+    They are on different nodes (a joiner comes in on a node that runs no rank of the job)."""
+    return dataclasses.replace(endpoint, job=f"{endpoint.job}.state{epoch}.{joiner}", rank=role,
+                               world_size=2, local_rank=0, local_world_size=1,
+                               fault_tolerance="fail", min_world_size=1)
+
+
+def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes) -> None:
+    """The source's side: ``blob`` to rank ``joiner``."""
+    _exchange(_pair(endpoint, epoch, joiner, 0), blob)
+
+
+def receive(endpoint: Endpoint, epoch: int) -> bytes:
+    """The joiner's side: the source's bytes."""
+    return _exchange(_pair(endpoint, epoch, endpoint.rank, 1), None)
+
+
+def _exchange(pair: Endpoint, blob: bytes | None) -> bytes:
+    length = torch.tensor([float(len(blob)) if blob is not None else 0.0], dtype=torch.float64)
+    _broadcast(pair, ".size", length)
+    count = int(length.item())
+    words = -(-count // _WORD)
+    data = torch.zeros(max(words, 1), dtype=torch.float64)
+    if blob is not None:
+        padded = blob + b"\0" * (words * _WORD - count)
+        data[:words] = torch.from_numpy(np.frombuffer(padded, dtype=np.uint32).astype(np.float64))
+    _broadcast(pair, ".data", data)
+    return data.numpy()[:words].astype(np.uint32).tobytes()[:count]
+
+
+def _broadcast(pair: Endpoint, suffix: str, tensor: torch.Tensor) -> None:
+    broadcaster = Broadcaster(pair, suffix, [("state", tensor)])
+    try:
+        broadcaster.run([("state", tensor)], source=0)
+    finally:
+        broadcaster.close()
