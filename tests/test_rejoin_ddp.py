@@ -4,7 +4,6 @@ Three real daemons, one rank each, real Gloo."""
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from collections.abc import Iterator
