@@ -100,6 +100,12 @@ class Reducer:
 
     def set_wire_dtype(self, dtype: torch.dtype | None) -> None:
         """Reduce in ``dtype`` on the wire (a comm hook); only before the first reduction."""
+        if self.registered and self.endpoint.fault_tolerance == "continue":
+            raise CommdError(
+                'commd: register_comm_hook is not available with fault_tolerance="continue": '
+                "its gradient jobs register at construction (a replacement rank must find "
+                "the running job's layout), before a hook could change their dtype"
+            )
         if self.registered:
             raise CommdError(
                 "commd: register_comm_hook must be called before the first backward, as in "

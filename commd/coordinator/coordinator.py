@@ -560,6 +560,8 @@ class Coordinator:
         members = sorted(rank for join in formation.joins.values() for rank in join.ranks)
         store_port = formation.store_port if len(order) > 1 else 0
         prefix = secrets.token_hex(16)  # a new group under new keys: the old one is abandoned
+        if formation.replanner is not None:
+            formation.replanner.resize(len(order))
         joiners, formation.joining = formation.joining, set()
         source = min((rank for node, join in formation.joins.items() if node not in joiners
                       for rank in join.ranks), default=-1)

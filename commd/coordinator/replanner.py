@@ -87,6 +87,13 @@ class Replanner:
         # the plan of what its trials chose, once chosen (``_enable_search``).
         self.search.enabled = self._searchable() and spec is None
 
+    def resize(self, nodes: int) -> None:
+        """A tolerant job's new membership: later rounds fit the link and cost the exchanges
+        for ``nodes``; the plan in force runs on until a round's decision re-plans."""
+        self.nodes = nodes
+        if self.policy is not None:
+            self.policy.nodes = nodes
+
     def decide(self, reports: Sequence[PeerProfile]) -> Decision:
         """The plan for the round all ``reports`` (one per node) belong to."""
         round_number = reports[0].round
