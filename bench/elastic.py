@@ -1,0 +1,558 @@
+"""A lost node: how long the survivors stop and how many steps are lost, commd against torchrun
+restarts and torchft. 3 nodes × 1 rank on 127.0.0.1, a small MLP on synthetic data.
+
+Every rank (bench/elastic_worker.py) numbers its steps and logs each one as it completes. The
+victim is rank 2 (a node that does not coordinate: losing the coordinator's node is not built
+yet). In step ``--kill-at`` it stops inside its backward pass, so the survivors are in that
+step's all-reduce, waiting for it; then the fault strikes it (a kill mid-step) and the
+survivors run on to ``--steps``. Fault kinds (``--faults``):
+
+- ``rank``: SIGKILL the victim's training process;
+- ``daemon``: SIGKILL its node's commd daemon, then the rank (the whole node is gone);
+- ``stop``: SIGSTOP its node's daemon (a silent node: found by heartbeat after the daemons'
+  ``--peer-timeout-s``).
+
+Systems (``--systems``), each run alternately with the others, ``--repeats`` times:
+
+- ``commd``: commd's DistributedDataParallel with COMMD_FAULT_TOLERANCE=continue, one plain
+  process per node and one ``commd run`` daemon per node (Gloo); every fault kind;
+- ``torch``: stock torch DDP (Gloo) under ``torchrun --nnodes=1 --nproc-per-node=3
+  --max-restarts=1`` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a checkpoint every
+  ``--checkpoint-every`` steps: the restart brings the job back from it; ``rank`` only (there
+  is no daemon to kill or stop);
+- ``torchft``: torchft 0.2.0, 3 replica groups × 1 rank, min_replica_size 2, its Lighthouse
+  in this process with ``--torchft-join-timeout-ms`` and ``--torchft-heartbeat-timeout-ms``;
+  ``rank`` only. Its stock DDP comm
+  hook fails ``assert fut._fut`` when a kill lands inside an all-reduce, so by default the
+  bench uses a copy that returns the local buffer on error (the step is then not committed;
+  ``--torchft-hook stock`` runs the stock one). torchft is not a dependency of commd; install
+  it into the venv with
+
+      .venv/bin/pip install --no-deps torchft==0.2.0
+      .venv/bin/pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+
+  Without it the bench skips torchft and says why.
+
+Per system and fault (the worst survivor; the median over the repeats):
+
+- stalled s: the largest gap between two consecutive step completions that ends after the
+  fault, minus the median step: the time the survivors made no progress at all;
+- fault to next new step s: from the fault to the first completed step the survivors had not
+  done before (a restart's redone steps are not new);
+- steps lost: steps whose work was thrown away (torchft's uncommitted step) or done again
+  (torchrun's steps since the last checkpoint);
+- detection s and declared lost s (commd): from the fault to the survivors' daemons' first
+  membership change (a failed collective, a rank's exit, a silent daemon) and to the log line
+  that names the victim's node lost.
+
+Whether the replicas end bit-identical is checked too. Replacement of the lost node
+(``--rejoin``) is not available in commd yet.
+
+    .venv/bin/python bench/elastic.py                     # the committed result
+    .venv/bin/python bench/elastic.py --systems commd --faults rank --steps 40 --kill-at 10 \
+--json /tmp/elastic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from commd.testing.daemons import LocalDaemon
+from commd.testing.ports import free_port
+from commd.testing.processes import FinishTimeout, finish, kill_all, start_json_worker
+from commd.testing.provenance import provenance
+
+HERE = Path(__file__).resolve()
+WORKER = str(HERE.with_name("elastic_worker.py"))
+DEFAULT_JSON = "bench/results/elastic.json"
+SYSTEMS = ("commd", "torch", "torchft")
+FAULTS = ("rank", "daemon", "stop")
+WORLD, VICTIM = 3, 2
+# what each baseline can meet: it has no daemon to kill or stop
+FAULTS_OF = {"commd": FAULTS, "torch": ("rank",), "torchft": ("rank",)}
+
+
+# --- what a run's progress logs say ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """One completed step of one rank."""
+
+    step: int
+    at: float  # CLOCK_MONOTONIC, s
+    wall: float  # time.time(), s
+    committed: bool
+
+
+def read_records(path: Path) -> list[Record]:
+    records = []
+    for line in path.read_text().splitlines():
+        step, at, wall, committed = line.split()
+        records.append(Record(int(step), float(at), float(wall), committed == "1"))
+    return records
+
+
+def measure(records: Sequence[Record], struck: float) -> dict[str, Any]:
+    """One survivor's cost of a fault that struck at ``struck`` (monotonic s): the stall, the
+    time to its next new step, the steps lost (see the module's help) and the steps it reached
+    (its last committed step + 1)."""
+    if len(records) < 3:
+        raise ValueError(f"{len(records)} steps completed: too few to measure a stall")
+    gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(records)]
+    median = statistics.median(gaps)
+    after = [gap for gap, later in zip(gaps, records[1:], strict=True) if later.at >= struck]
+    done: set[int] = set()
+    # steps a replica skipped by taking a live peer's state (torchft's healing of a late
+    # starter) are not lost: the job did them
+    lost = 0
+    high = max((r.step for r in records if r.committed and r.at < struck), default=-1)
+    first_new = None
+    for record in records:
+        if not record.committed or record.step in done:
+            lost += 1
+            continue
+        done.add(record.step)
+        if first_new is None and record.at >= struck and record.step > high:
+            first_new = record.at
+    return {"median_step_s": median,
+            "stall_s": max(0.0, max(after) - median) if after else None,
+            "to_new_step_s": None if first_new is None else first_new - struck,
+            "steps_lost": lost, "steps_done": max(done, default=-1) + 1}
+
+
+def worst(per_survivor: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The job's cost: the survivor that stopped longest and lost most."""
+    def top(key: str) -> Any:
+        values = [m[key] for m in per_survivor if m[key] is not None]
+        return max(values) if values else None
+    return {key: top(key) for key in ("median_step_s", "stall_s", "to_new_step_s",
+                                      "steps_lost")} | {
+        "steps_done": min(m["steps_done"] for m in per_survivor)}
+
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[.,]\d+)")
+
+
+def first_line_wall(logs: Sequence[str], pattern: str) -> float | None:
+    """The wall time (s) of the earliest daemon log line that matches ``pattern``."""
+    times = []
+    for text in logs:
+        for line in text.splitlines():
+            match = _LOG_TIME.match(line)
+            if match and re.search(pattern, line):
+                stamp = match.group(1).replace(",", ".")
+                times.append(datetime.fromisoformat(stamp).timestamp())
+                break
+    return min(times) if times else None
+
+
+# What the survivors' daemons log: the first reaction to a fault opens a membership epoch
+# (a collective's failure, a rank's exit, a silent daemon); the victim's node is named lost
+# when the coordinator gives up on it.
+DAEMON_LINES = {"detection_s": r"WARNING commd\.coordinator: .*: epoch \d+: ",
+                "declared_lost_s": rf"epoch \d+: .*node \S+ \(ranks \[{VICTIM}\]\) lost"}
+
+
+# --- running one system under one fault -----------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One system, one fault, one repeat: where its files go and when the fault struck."""
+
+    system: str
+    fault: str
+    args: argparse.Namespace
+    workdir: Path
+    struck: float = 0.0
+    struck_wall: float = 0.0
+
+    def spec(self, rank: int, **extra: Any) -> dict[str, Any]:
+        return {"rank": rank, "world_size": WORLD, "steps": self.args.steps, "seed": 0,
+                "batch": self.args.batch, "lr": 0.01, "threads": self.args.threads,
+                "timeout": self.args.timeout, "progress_dir": str(self.workdir),
+                "victim": VICTIM, "kill_at": self.args.kill_at, **extra}
+
+    def progress(self, rank: int) -> Path:
+        return self.workdir / f"rank{rank}.log"
+
+    def await_victim(self, processes: Sequence[subprocess.Popen[Any]]) -> int:
+        """Until the victim stops inside step ``--kill-at`` (its file ``struck``, polled with
+        a deadline; a process that exits first fails the run); the victim's pid."""
+        deadline = time.monotonic() + self.args.timeout
+        marker = self.workdir / "struck"
+        while True:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                return int(marker.read_text())
+            for process in processes:
+                if process.poll() is not None:
+                    said = (process.stderr or process.stdout)
+                    raise RuntimeError(f"a process exited (code {process.returncode}) before "
+                                       f"the fault:\n{said.read()[-3000:] if said else ''}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {VICTIM} never reached step {self.args.kill_at}")
+            time.sleep(0.001)  # polling a file, with a deadline
+
+    def strike(self, signal_number: int, pid: int) -> None:
+        if not self.struck:
+            self.struck, self.struck_wall = time.monotonic(), time.time()
+        os.kill(pid, signal_number)
+
+    def outcome(self, survivors: Sequence[int]) -> dict[str, Any]:
+        per = [measure(read_records(self.progress(rank)), self.struck) for rank in survivors]
+        finals = [json.loads((self.workdir / f"rank{rank}.json").read_text())
+                  for rank in survivors]
+        return {**worst(per), "per_survivor": per,
+                "agree": len({final["digest"] for final in finals}) == 1,
+                "finals": [{k: v for k, v in final.items() if k != "digest"}
+                           for final in finals]}
+
+
+def run_commd(run: Run) -> dict[str, Any]:
+    args = run.args
+    daemons: list[LocalDaemon] = []
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for node in range(WORLD):
+            daemons.append(LocalDaemon(run.workdir, f"d{node}", "--backend", "gloo",
+                                       "--peer-timeout-s", str(args.peer_timeout_s)))
+        env = {"COMMD_FAULT_TOLERANCE": "continue", "OMP_NUM_THREADS": str(args.threads)}
+        job = f"elastic-{os.getpid()}-{run.workdir.name}"
+        for rank, daemon in enumerate(daemons):
+            spec = run.spec(rank, job=job, coordinator=daemons[0].address,
+                            socket=daemon.socket)
+            processes.append(start_json_worker([sys.executable, WORKER, "commd"], spec,
+                                               env=env))
+        run.await_victim(processes)
+        rank_pid, daemon_pid = processes[VICTIM].pid, daemons[VICTIM].process.pid
+        if run.fault == "rank":
+            run.strike(signal.SIGKILL, rank_pid)
+        elif run.fault == "daemon":
+            run.strike(signal.SIGKILL, daemon_pid)
+            run.strike(signal.SIGKILL, rank_pid)
+        else:
+            run.strike(signal.SIGSTOP, daemon_pid)
+        survivors = [rank for rank in range(WORLD) if rank != VICTIM]
+        finished = finish([processes[rank] for rank in survivors], args.timeout)
+        for done in finished:
+            if done.returncode != 0:
+                raise RuntimeError(f"survivor pid {done.pid} exited {done.returncode}:\n"
+                                   f"{done.stderr[-2000:]}")
+        result = run.outcome(survivors)
+        logs = [daemon.log() for daemon in daemons[:VICTIM]]
+        for key, pattern in DAEMON_LINES.items():
+            found = first_line_wall(logs, pattern)
+            result[key] = None if found is None else found - run.struck_wall
+        return result
+    finally:
+        kill_all(processes)
+        for daemon in daemons:
+            if daemon.process.poll() is None:
+                os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
+            daemon.stop()
+
+
+def run_torch(run: Run) -> dict[str, Any]:
+    args = run.args
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc-per-node={WORLD}", "--max-restarts=1", WORKER, "torch",
+               json.dumps(run.spec(0, checkpoint_every=args.checkpoint_every))]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "OMP_NUM_THREADS": str(args.threads)}
+    # its own session: the agent's workers are killed with it whatever happens
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        run.strike(signal.SIGKILL, run.await_victim([launcher]))
+        [done] = finish([launcher], args.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}")
+        # after the restart every rank, the replaced one too, trains to the end
+        return run.outcome(range(WORLD))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def torchft_missing() -> str | None:
+    """Why torchft cannot run here, or None."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return (f"torchft is not installed ({exc}); the two pip lines in --help install it "
+                f"into the venv")
+    return None
+
+
+def run_torchft(run: Run) -> dict[str, Any]:
+    from torchft._torchft import LighthouseServer
+
+    args = run.args
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=WORLD - 1,
+                                  join_timeout_ms=args.torchft_join_timeout_ms,
+                                  heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms)
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        env = {"OMP_NUM_THREADS": str(args.threads)}
+        for rank in range(WORLD):
+            spec = run.spec(rank, lighthouse=lighthouse.address(), store_port=free_port(),
+                            hook=args.torchft_hook)
+            processes.append(start_json_worker([sys.executable, WORKER, "torchft"], spec,
+                                               env=env))
+        run.await_victim(processes)
+        run.strike(signal.SIGKILL, processes[VICTIM].pid)
+        survivors = [rank for rank in range(WORLD) if rank != VICTIM]
+        finished = finish([processes[rank] for rank in survivors], args.timeout)
+        for done in finished:
+            if done.returncode != 0:
+                raise RuntimeError(f"survivor pid {done.pid} exited {done.returncode}:\n"
+                                   f"{done.stderr[-2000:]}")
+        return run.outcome(survivors)
+    finally:
+        kill_all(processes)
+        lighthouse.shutdown()
+
+
+RUNNERS = {"commd": run_commd, "torch": run_torch, "torchft": run_torchft}
+
+
+@contextlib.contextmanager
+def run_directory(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="commd-elastic-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"  logs kept in {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_one(system: str, fault: str, args: argparse.Namespace) -> dict[str, Any]:
+    with run_directory(args.keep_logs) as workdir:
+        run = Run(system, fault, args, workdir)
+        try:
+            return RUNNERS[system](run)
+        except (RuntimeError, FinishTimeout, OSError, ValueError) as exc:
+            args.keep_logs = True  # the error's logs are worth a look
+            return {"error": str(exc)[-4000:]}
+
+
+# --- summary, table, command line -----------------------------------------------------------------
+
+
+def plan(systems: Sequence[str], faults: Sequence[str]) -> list[tuple[str, str]]:
+    """The (system, fault) pairs of one repeat, in run order."""
+    return [(system, fault) for fault in faults for system in systems
+            if fault in FAULTS_OF[system]]
+
+
+def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per system and fault: the medians over the repeats that ran (steps lost: the most)."""
+    summary: dict[str, dict[str, Any]] = {}
+    for (system, fault), group in itertools.groupby(
+            sorted(runs, key=lambda r: (r["system"], r["fault"])),
+            key=lambda r: (r["system"], r["fault"])):
+        runs_of = list(group)
+        good = [r for r in runs_of if "error" not in r]
+
+        def median(key: str, good: list[dict[str, Any]] = good) -> float | None:
+            values = [r[key] for r in good if r.get(key) is not None]
+            return round(statistics.median(values), 3) if values else None
+
+        summary.setdefault(system, {})[fault] = {
+            "stall_s": median("stall_s"), "to_new_step_s": median("to_new_step_s"),
+            "detection_s": median("detection_s"), "declared_lost_s": median("declared_lost_s"),
+            "median_step_s": median("median_step_s"),
+            "steps_lost": max((r["steps_lost"] for r in good), default=None),
+            "agree": all(r["agree"] for r in good) if good else None,
+            "repeats": len(good), "errors": len(runs_of) - len(good)}
+    return summary
+
+
+LABELS = {"commd": "commd (fault_tolerance=continue)",
+          "torch": "torch DDP, torchrun --max-restarts=1",
+          "torchft": "torchft 0.2.0 + Lighthouse"}
+FAULT_LABELS = {"rank": "rank killed", "daemon": "node killed (daemon + rank)",
+                "stop": "daemon stopped (SIGSTOP)"}
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = ["| fault | system | survivors stalled (s) | fault to next new step (s) | "
+             "steps lost | detection (s) | declared lost (s) | replicas identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for fault in FAULTS:
+        for system in SYSTEMS:
+            row = summary.get(system, {}).get(fault)
+            if row is None:
+                continue
+            if not row["repeats"]:
+                lines.append(f"| {FAULT_LABELS[fault]} | {LABELS[system]} | failed | - | - "
+                             f"| - | - | - |")
+                continue
+            lines.append(f"| {FAULT_LABELS[fault]} | {LABELS[system]} | {cell(row['stall_s'])} "
+                         f"| {cell(row['to_new_step_s'])} | {row['steps_lost']} | "
+                         f"{cell(row['detection_s'])} | {cell(row['declared_lost_s'])} | "
+                         f"{'yes' if row['agree'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def names(text: str, valid: Sequence[str], option: str) -> list[str]:
+    chosen = [name.strip() for name in text.split(",")]
+    for name in chosen:
+        if name not in valid:
+            raise ValueError(f"{option} {name!r}: use {', '.join(valid)}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"{option} {text!r} names one twice")
+    return chosen
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, from {', '.join(SYSTEMS)} (default all; torchft "
+                        f"is skipped, saying why, when it is not installed)")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"comma-separated, from {', '.join(FAULTS)} (default all; the "
+                        f"baselines run rank only)")
+    p.add_argument("--steps", type=int, default=300, help="steps of training (default 300)")
+    p.add_argument("--kill-at", type=int, default=100,
+                   help="the step (0-based) inside which the fault strikes rank 2 "
+                        "(default 100)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every system and fault, alternating (default 3)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="torch DDP's checkpoint interval in steps (default 10)")
+    p.add_argument("--peer-timeout-s", type=float, default=3.0,
+                   help="the commd daemons' --peer-timeout-s: a stopped daemon is lost after "
+                        "it (default 3)")
+    p.add_argument("--torchft-heartbeat-timeout-ms", type=int, default=5000,
+                   help="the torchft Lighthouse's heartbeat timeout (default 5000, torchft's)")
+    p.add_argument("--torchft-join-timeout-ms", type=int, default=100,
+                   help="how long the Lighthouse waits for a replica that still heartbeats "
+                        "but has not asked for the quorum (default 100, torchft's Python "
+                        "LighthouseServer's; its torchft_lighthouse command's is 60000: the "
+                        "survivors then wait for the heartbeat timeout)")
+    p.add_argument("--torchft-hook", choices=("tolerant", "stock"), default="tolerant",
+                   help="torchft's DDP comm hook: the stock one or the copy that returns the "
+                        "local buffer when the all-reduce failed (default tolerant)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds one run may take before it is killed (default 180)")
+    p.add_argument("--rejoin", action="store_true",
+                   help="bring a replacement of the lost node back (not available yet)")
+    p.add_argument("--json", default=DEFAULT_JSON, metavar="PATH",
+                   help=f"where the results and provenance go (default {DEFAULT_JSON}); '' for "
+                        f"none")
+    p.add_argument("--keep-logs", action="store_true", help="keep every run's logs")
+    return p
+
+
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The systems and faults; a usage error (exit 2) naming a bad option."""
+    if args.rejoin:
+        p.error("--rejoin: a replacement rejoining the job is not available in commd yet")
+    try:
+        systems = names(args.systems, SYSTEMS, "--systems")
+        faults = names(args.faults, FAULTS, "--faults")
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.steps < 3 or args.steps > 1_000_000:
+        p.error("--steps must be between 3 and 1000000")
+    if not 1 <= args.kill_at <= args.steps - 2:
+        p.error(f"--kill-at must be between 1 and --steps - 2 ({args.steps - 2})")
+    if args.repeats < 1 or args.batch < 1 or args.threads < 1 or args.checkpoint_every < 1:
+        p.error("--repeats, --batch, --threads and --checkpoint-every must be at least 1")
+    if not 0.1 <= args.peer_timeout_s <= 600:
+        p.error("--peer-timeout-s must be between 0.1 and 600")
+    if not 100 <= args.torchft_heartbeat_timeout_ms <= 600_000:
+        p.error("--torchft-heartbeat-timeout-ms must be between 100 and 600000")
+    if not 0 <= args.torchft_join_timeout_ms <= 600_000:
+        p.error("--torchft-join-timeout-ms must be between 0 and 600000")
+    if not args.timeout > 0:
+        p.error("--timeout must be positive")
+    return systems, faults
+
+
+def save(path: str, result: dict[str, Any]) -> None:
+    result["summary"] = summarise(result["runs"])
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    systems, faults = check(p, args)
+    skipped: dict[str, str] = {}
+    # torchft's Lighthouse and managers log every quorum, a few lines a step, at INFO; read at
+    # their first use, so before torchft is imported
+    os.environ.setdefault("RUST_LOG", "warn")
+    if "torchft" in systems and (why := torchft_missing()):
+        skipped["torchft"] = why
+        systems.remove("torchft")
+        print(f"  torchft skipped: {why}", flush=True)
+    command = None if argv is None else ["bench/elastic.py", *argv]
+    result: dict[str, Any] = {
+        "provenance": provenance(command),
+        "settings": {"nodes": WORLD, "ranks_per_node": 1, "victim_rank": VICTIM,
+                     "steps": args.steps, "kill_at": args.kill_at, "repeats": args.repeats,
+                     "batch": args.batch, "checkpoint_every": args.checkpoint_every,
+                     "peer_timeout_s": args.peer_timeout_s,
+                     "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
+                     "torchft_join_timeout_ms": args.torchft_join_timeout_ms,
+                     "threads": args.threads,
+                     "model": "MLP 256-512-512-10, SGD lr 0.01 momentum 0.9",
+                     "systems": systems, "faults": faults,
+                     "torchft_comm_hook": args.torchft_hook},
+        "skipped": skipped, "runs": []}
+    if "torchft" in systems and args.torchft_hook == "tolerant":
+        print("  torchft: its DDP comm hook returns the local buffer when the all-reduce "
+              "failed (stock 0.2.0 fails `assert fut._fut` there)", flush=True)
+    for repeat, (system, fault) in itertools.product(range(args.repeats),
+                                                     plan(systems, faults)):
+        started = time.monotonic()
+        outcome = {"system": system, "fault": fault, "repeat": repeat,
+                   **run_one(system, fault, args)}
+        result["runs"].append(outcome)
+        if "error" in outcome:
+            print(f"  #{repeat + 1} {system} {fault}: FAILED\n{outcome['error']}", flush=True)
+        else:
+            print(f"  #{repeat + 1} {system} {fault}: stalled {outcome['stall_s']:.2f} s, next "
+                  f"new step {outcome['to_new_step_s']:.2f} s after the fault, "
+                  f"{outcome['steps_lost']} steps lost, replicas identical {outcome['agree']} "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)
+        save(args.json, result)  # after every run, so a later failure keeps the earlier ones
+    save(args.json, result)  # also when nothing ran: what was skipped, and why
+    print(f"\n{table(result['summary'])}\n\ncommand: {result['provenance']['command']}")
+    return 0 if all("error" not in r for r in result["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

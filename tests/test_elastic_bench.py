@@ -1,0 +1,190 @@
+"""bench/elastic.py: what a fault costs the survivors (stall, steps lost) from their progress
+logs, a tiny real run of commd losing a rank mid-step, the committed result read as data, and
+the bench's refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench_scripts import assert_usage_error, load_bench_script
+
+bench = load_bench_script("elastic.py", "bench_elastic")
+Record = bench.Record
+COMMITTED = Path(__file__).resolve().parents[1] / "bench" / "results" / "elastic.json"
+
+
+def steps(numbers: list[int], start: float = 0.0, every: float = 0.01,
+          committed: bool = True) -> list[Any]:
+    return [Record(n, start + i * every, 0.0, committed) for i, n in enumerate(numbers)]
+
+
+# --- the measure ----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_a_survivor_that_goes_on_loses_nothing_and_stalls_for_the_gap() -> None:
+    records = steps(list(range(10))) + steps(list(range(10, 20)), start=0.09 + 2.0)
+    cost = bench.measure(records, struck=0.095)
+    assert cost["steps_lost"] == 0 and cost["steps_done"] == 20
+    assert cost["stall_s"] == pytest.approx(1.99)  # the 2 s gap less the 0.01 s step
+    assert cost["to_new_step_s"] == pytest.approx(2.09 - 0.095)
+
+
+@pytest.mark.timeout(10)
+def test_a_restart_from_a_checkpoint_counts_its_redone_steps_as_lost() -> None:
+    # steps 0-14 done, checkpoint at 10, restart redoes 10-14 and goes on to 19
+    records = steps(list(range(15))) + steps(list(range(10, 20)), start=0.14 + 4.0)
+    cost = bench.measure(records, struck=0.145)
+    assert cost["steps_lost"] == 5
+    assert cost["steps_done"] == 20
+    # the first new step is 15, the sixth after the restart
+    assert cost["to_new_step_s"] == pytest.approx(0.14 + 4.0 + 5 * 0.01 - 0.145)
+
+
+@pytest.mark.timeout(10)
+def test_an_uncommitted_step_is_lost_and_its_redo_is_new() -> None:
+    records = (steps([0, 1, 2]) + steps([3], start=0.03, committed=False)
+               + steps([3, 4, 5], start=0.5))
+    cost = bench.measure(records, struck=0.025)
+    assert cost["steps_lost"] == 1 and cost["steps_done"] == 6
+    assert cost["to_new_step_s"] == pytest.approx(0.5 - 0.025)
+
+
+@pytest.mark.timeout(10)
+def test_steps_skipped_by_taking_a_peers_state_are_not_lost() -> None:
+    cost = bench.measure(steps([0], committed=False) + steps([5, 6, 7], start=0.5), struck=1.0)
+    assert cost["steps_lost"] == 1 and cost["steps_done"] == 8  # the uncommitted step 0 only
+
+
+@pytest.mark.timeout(10)
+def test_too_few_steps_are_refused() -> None:
+    with pytest.raises(ValueError, match="too few"):
+        bench.measure(steps([0, 1]), struck=0.0)
+
+
+@pytest.mark.timeout(10)
+def test_the_daemons_first_lines_are_found_in_wall_time() -> None:
+    logs = ["2026-12-06 04:17:08,388 WARNING commd.coordinator: job j: epoch 1: node 127.0.0.1 "
+            "(ranks [2]) lost: rank 2 exited\n",
+            "2026-12-06 04:17:08,100 INFO commd.server: serving\n"
+            "2026-12-06 04:17:08,300 WARNING commd.coordinator: job j: epoch 1: a collective "
+            "failed on node 127.0.0.1\n"]
+    detected = bench.first_line_wall(logs, bench.DAEMON_LINES["detection_s"])
+    declared = bench.first_line_wall(logs, bench.DAEMON_LINES["declared_lost_s"])
+    assert declared is not None and detected is not None
+    assert declared - detected == pytest.approx(0.088)
+    assert bench.first_line_wall(["no time here: epoch 1: node x (ranks [2]) lost"],
+                                 bench.DAEMON_LINES["declared_lost_s"]) is None
+
+
+# --- a real run -----------------------------------------------------------------------------------
+
+def check_result(result: dict[str, Any]) -> None:
+    """The fields every result has, whatever ran."""
+    provenance = result["provenance"]
+    assert provenance["command"].startswith(".venv/bin/python bench/elastic.py")
+    assert "commit" in provenance and provenance["machine"]["cpus"] >= 1
+    settings = result["settings"]
+    assert (settings["nodes"], settings["ranks_per_node"], settings["victim_rank"]) == (3, 1, 2)
+    for run in result["runs"]:
+        assert "error" not in run, run["error"]
+        assert run["system"] in bench.SYSTEMS and run["fault"] in bench.FAULTS_OF[run["system"]]
+        for key in ("stall_s", "to_new_step_s", "steps_lost", "median_step_s", "agree"):
+            assert run[key] is not None, key
+        assert run["steps_done"] == settings["steps"], "a survivor stopped early"
+    for system, faults in result["summary"].items():
+        for row in faults.values():
+            assert row["repeats"] == settings["repeats"] and row["errors"] == 0, (system, row)
+            assert row["agree"] is True, system
+
+
+@pytest.mark.timeout(150)
+def test_commd_loses_no_step_when_a_rank_dies_mid_step(tmp_path: Path) -> None:
+    out = tmp_path / "elastic.json"
+    code = bench.main(["--systems", "commd", "--faults", "rank", "--steps", "12", "--kill-at",
+                       "4", "--repeats", "1", "--timeout", "120", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    check_result(result)
+    [run] = result["runs"]
+    assert (run["system"], run["fault"], run["steps_lost"]) == ("commd", "rank", 0)
+    assert len(run["per_survivor"]) == 2
+    assert all(final["world_size"] == 2 and final["members"] == [0, 1]
+               for final in run["finals"])
+    # the daemons saw the loss after the kill
+    assert run["detection_s"] is not None and run["detection_s"] >= 0
+    assert result["summary"]["commd"]["rank"]["steps_lost"] == 0
+
+
+@pytest.mark.timeout(10)
+def test_without_torchft_the_bench_skips_it_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    out = tmp_path / "elastic.json"
+    assert bench.main(["--systems", "torchft", "--json", str(out)]) == 0
+    assert "torchft skipped: torchft is not installed" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["runs"] == [] and result["summary"] == {}
+    assert "pip install" in result["skipped"]["torchft"] or "--help" in result["skipped"]["torchft"]
+
+
+# --- the committed result -------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_the_committed_result() -> None:
+    result = json.loads(COMMITTED.read_text())
+    check_result(result)
+    settings = result["settings"]
+    assert (settings["steps"], settings["kill_at"]) == (300, 100)
+    summary = result["summary"]
+    assert set(summary["commd"]) == set(bench.FAULTS)
+    for fault, row in summary["commd"].items():
+        assert row["steps_lost"] == 0, fault
+    # torchrun restarts every rank from the last checkpoint and redoes the steps since it
+    torch = summary["torch"]["rank"]
+    assert torch["steps_lost"] == settings["kill_at"] % settings["checkpoint_every"]
+    for run in (r for r in result["runs"] if r["system"] == "torch"):
+        assert all(final["restarts"] == 1 for final in run["finals"])
+    assert summary["commd"]["rank"]["stall_s"] < torch["stall_s"]
+    # a silent node costs about the daemons' peer timeout, no less
+    assert summary["commd"]["stop"]["declared_lost_s"] >= settings["peer_timeout_s"]
+    if "torchft" in result["skipped"]:
+        assert "not installed" in result["skipped"]["torchft"]
+    else:
+        assert summary["torchft"]["rank"]["steps_lost"] == 1  # its step in flight
+        for run in (r for r in result["runs"] if r["system"] == "torchft"):
+            # the kill landed inside the survivors' all-reduce of that step: the victim was in
+            # the quorum, and the bench's hook returned the local buffer there
+            assert all(final["local_buffer_returned_at"] == [settings["kill_at"]]
+                       for final in run["finals"])
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--rejoin"], "not available in commd yet"),
+    (["--faults", "meteor"], "--faults 'meteor': use rank, daemon, stop"),
+    (["--faults", ""], "--faults '': use rank, daemon, stop"),
+    (["--systems", "commd,commd"], "names one twice"),
+    (["--systems", "horovod"], "--systems 'horovod'"),
+    (["--steps", "10", "--kill-at", "9"], "--kill-at must be between 1 and --steps - 2 (8)"),
+    (["--kill-at", "0"], "--kill-at must be between 1"),
+    (["--steps", "2"], "--steps must be between 3"),
+    (["--steps", str(10**12)], "--steps must be between 3"),
+    (["--steps", "many"], "invalid int value"),
+    (["--repeats", "0"], "must be at least 1"),
+    (["--peer-timeout-s", "0"], "--peer-timeout-s must be between"),
+    (["--peer-timeout-s", "nan"], "--peer-timeout-s must be between"),
+    (["--torchft-heartbeat-timeout-ms", "10"], "--torchft-heartbeat-timeout-ms must be"),
+    (["--torchft-join-timeout-ms", "-1"], "--torchft-join-timeout-ms must be"),
+    (["--torchft-hook", "mine"], "invalid choice"),
+    (["--timeout", "-1"], "--timeout must be positive"),
+])
+def test_bad_options_are_refused_before_anything_starts(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(bench.main, argv, says, capsys)
