@@ -230,3 +230,34 @@ def test_a_replacement_rejoins_the_running_job(nodes: list[LocalDaemon], tmp_pat
         elif iteration > lost_at:
             assert digest == expected_digest([0, 1], iteration), iteration
     assert joined["members"] == [0, 1, 2] and joined["epochs"][-1] == outcome[0]["epochs"][-1]
+
+
+def test_the_coordinators_daemon_killed_the_next_node_takes_over(
+        nodes: list[LocalDaemon], tmp_path: Path) -> None:
+    """SIGKILL of node 0's daemon, the job's coordinator and rendezvous store: node 1 (the
+    lowest rank left) coordinates from its nodes' word, the survivors go on identical."""
+    iterations, hold_at = 12, 5
+    hold = {"hold_at": hold_at, "hold_for": "killed"}
+    processes = start(nodes, tmp_path, iterations, dict.fromkeys(range(3), hold))
+    progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = daemon_status(nodes[1].socket)["jobs"]
+        if jobs and jobs[0]["iteration"] == hold_at:
+            break
+        assert time.monotonic() < deadline, "the job never reached the hold"
+        time.sleep(0.05)  # polling a condition, with a deadline
+    nodes[0].process.kill()
+    (progress / "killed").touch()
+    outcome = results(processes)
+    assert "error" in outcome[0]
+    for rank in (1, 2):
+        assert "error" not in outcome[rank], outcome[rank]
+        assert len(outcome[rank]["digests"]) == iterations
+        assert outcome[rank]["members"] == [1, 2]
+    assert outcome[1]["digests"] == outcome[2]["digests"]
+    for iteration in range(iterations):
+        members = [0, 1, 2] if iteration < hold_at else [1, 2]
+        assert outcome[1]["digests"][iteration] == expected_digest(members, iteration)
+    coordinating = daemon_status(nodes[1].socket)["coordinating"]
+    assert coordinating == [] or coordinating[0]["epoch"] >= 1

@@ -22,7 +22,9 @@ import msgspec
 
 from commd.coordinator.membership import (
     Membership,
+    Takeover,
     describe_nodes,
+    expected_peers,
     survivors_order,
 )
 from commd.coordinator.replanner import Decision, Replanner
@@ -48,6 +50,8 @@ from commd_protocol import (
     PeerResume,
     PeerSetup,
     PeerStatus,
+    PeerTakeover,
+    RosterEntry,
 )
 from commd_protocol.agreement import describe_difference
 from commd_protocol.dtypes import itemsize
@@ -81,6 +85,7 @@ class Formation:
     first_round: dict[bytes, int] = field(default_factory=dict)  # a joiner's first report
     plans: list[PeerPlan] = field(default_factory=list)  # the latest decisions, for joiners
     deciding: set[int] = field(default_factory=set)  # rounds whose plan is being decided
+    takeover: Takeover | None = None  # taking over from a lost coordinator, gathering nodes
 
     @property
     def ranks_joined(self) -> int:
@@ -167,6 +172,8 @@ class Coordinator:
             self._on_reform_state(node, message)
         elif isinstance(message, PeerFault):
             self._on_fault(node, message)
+        elif isinstance(message, PeerTakeover):
+            self._on_takeover(node, message)
         elif isinstance(message, PeerHeartbeat):
             formation = self._jobs.get(message.job)
             if formation is not None and node in formation.joins:
@@ -261,6 +268,7 @@ class Coordinator:
                     store_port=store_port,
                     store_prefix=prefix,
                     planner=first.planner,
+                    roster=_roster(order) if formation.membership is not None else [],
                 ),
             )
         log.info("job %s formed: %d nodes, %d ranks", formation.job, len(order),
@@ -376,6 +384,10 @@ class Coordinator:
         """Every second: deadlines, silent nodes, stalls, and every node's ``PeerStatus``."""
         expired = False
         for formation in list(self._jobs.values()):
+            if formation.takeover is not None:
+                if formation.takeover.complete(now):
+                    self._take_over(formation)
+                continue
             if formation.membership is not None:
                 unanswered = formation.membership.unanswered(formation.joins, now)
                 if unanswered:
@@ -516,6 +528,72 @@ class Coordinator:
         formation.watch.heard(node, time.monotonic())
         self._reform(formation, f"node {join.host} (ranks {join.ranks[:20]}) joined")
 
+    def _on_takeover(self, node: bytes, message: PeerTakeover) -> None:
+        """A node of a tolerant job whose coordinator went silent asks this daemon, the
+        roster's next, to coordinate it: gather the roster's nodes, then resume them."""
+        join = message.join
+        formation = self._jobs.get(message.job)
+        if formation is None:
+            problem, code = join_problem(join, self._limits)
+            if not problem and (join.fault_tolerance != "continue" or join.job != message.job):
+                problem = "only a fault_tolerance=\"continue\" job can be taken over"
+            if problem:
+                self._refuse(node, message.job, problem, code)
+                return
+            formation = self._jobs[message.job] = Formation(message.job, join.world_size)
+            formation.formed = True
+            formation.membership = Membership(join.min_world_size, epoch=message.epoch)
+            formation.store_port = self._store_port(join.host)
+            sizes = [layer.size * itemsize(join.dtype) for layer in join.layers]
+            formation.replanner = Replanner(join.planner, sizes, nodes=len(message.roster),
+                                            compression=join.compression,
+                                            itemsize=itemsize(join.dtype))
+            formation.takeover = Takeover(message.lost,
+                                          expected_peers(message.roster, message.lost),
+                                          time.monotonic())
+            log.warning("job %s: its coordinator %s is lost; coordinating it here",
+                        message.job, message.lost)
+        takeover = formation.takeover
+        if takeover is None:  # formed here already: this node was given up on, or is late
+            self._refuse(node, message.job, "the job was taken over without this node")
+            return
+        problem = "" if formation.lowest is None else _admission_problem(formation, node, join)
+        if problem:
+            self._refuse(node, message.job, problem, ErrorCode.MISMATCH)
+            return
+        formation.add(node, join)
+        formation.watch.heard(node, time.monotonic())
+        takeover.add(node, message)
+        assert formation.membership is not None
+        formation.membership.epoch = max(formation.membership.epoch, message.epoch)
+        if takeover.complete(time.monotonic()):
+            self._take_over(formation)
+
+    def _take_over(self, formation: Formation) -> None:
+        """Every node of the roster asked (or the wait is over): a new epoch from here."""
+        takeover, membership = formation.takeover, formation.membership
+        assert takeover is not None and membership is not None and formation.replanner
+        formation.takeover = None
+        missing = sorted(takeover.expected - set(takeover.peers.values()))
+        change = f"the coordinator {takeover.lost} lost; {len(takeover.peers)} node(s) go on"
+        if missing:
+            change += f" ({', '.join(missing[:10])} did not ask within the wait: lost too)"
+        ranks = sum(len(join.ranks) for join in formation.joins.values())
+        if ranks < membership.min_world_size:
+            self._abort_all(formation, ErrorCode.RANK_LOST,
+                            f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
+                            f"{membership.min_world_size}")
+            return
+        formation.replanner.version = takeover.plan  # its plans come after those in force
+        reform = membership.begin(change, time.monotonic())
+        reform.states = dict(takeover.states)
+        resume = self._resume(formation)
+        if resume is not None:
+            # Rounds reported to the lost coordinator are gone: every node reports from the
+            # round after the one it resumes in.
+            for node in formation.joins:
+                formation.first_round[node] = resume // REPORT_EVERY + 1
+
     def _lose_ranks(self, formation: Formation, node: bytes, fault: PeerFault) -> None:
         """Some ranks of a node are gone, its others live: the node stays with the others."""
         membership = formation.membership
@@ -549,13 +627,15 @@ class Coordinator:
                 and formation.membership.complete(formation.joins):
             self._resume(formation)
 
-    def _resume(self, formation: Formation) -> None:
+    def _resume(self, formation: Formation) -> int | None:
+        """Every survivor answered: the new epoch's places, and the iteration it resumes at
+        (None: the answers failed the job)."""
         membership = formation.membership
         assert membership is not None
         reform, resume = membership.finish()
         if isinstance(resume, str):
             self._abort_all(formation, ErrorCode.INVALID, f"the reform failed: {resume}")
-            return
+            return None
         order = survivors_order(formation.joins)
         members = sorted(rank for join in formation.joins.values() for rank in join.ranks)
         store_port = formation.store_port if len(order) > 1 else 0
@@ -573,7 +653,8 @@ class Coordinator:
                 job=formation.job, epoch=reform.epoch, node_index=index, nodes=len(order),
                 store_port=store_port, store_prefix=prefix, members=members,
                 iteration=resume, change=reform.change,
-                expect=expect if node in joiners else [], source=source))
+                expect=expect if node in joiners else [], source=source,
+                roster=_roster([(n, formation.joins[n]) for n in order])))
             if node in joiners:
                 # It reports from the round its first iteration is in; it runs the plans
                 # in force from there, as the others do.
@@ -582,6 +663,7 @@ class Coordinator:
                     self._send(node, plan)
         log.warning("job %s: epoch %d resumes at iteration %d with %d node(s), %d rank(s)",
                     formation.job, reform.epoch, resume, len(order), len(members))
+        return resume
 
     def close(self) -> None:
         """Stop the planner thread; a plan being decided is dropped."""
@@ -620,3 +702,8 @@ def _plans_from(plans: list[PeerPlan], iteration: int) -> list[PeerPlan]:
     in_force = [plan for plan in plans if plan.effective_iteration <= iteration]
     later = [plan for plan in plans if plan.effective_iteration > iteration]
     return in_force[-1:] + later
+
+
+def _roster(order: list[tuple[bytes, PeerJoin]]) -> list[RosterEntry]:
+    """The nodes of an epoch, for each node to find the next coordinator if this one is lost."""
+    return [RosterEntry(peer=join.peer, ranks=list(join.ranks)) for _, join in order]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from commd_protocol import PeerJoin, PeerReformState
+from commd_protocol import PeerJoin, PeerReformState, PeerTakeover, RosterEntry
 
 # A surviving daemon answers a reform from its event loop within milliseconds; one that has
 # not answered in this long is taken as lost too (a killed daemon never answers, and its
@@ -29,6 +29,10 @@ REFORM_ANSWER_S = 2.0
 # job instead of reforming forever.
 MAX_FRUITLESS_REFORMS = 4
 MAX_HISTORY = 64  # changes kept for status
+# A node taking over a job waits this long for the roster's other nodes: they notice the old
+# coordinator's silence within a heartbeat of each other; one that has not asked by then is
+# taken as lost with it.
+TAKEOVER_WAIT_S = 4.0
 
 
 @dataclass
@@ -39,6 +43,32 @@ class Reform:
     change: str
     started: float
     states: dict[bytes, PeerReformState] = field(default_factory=dict)
+
+
+@dataclass
+class Takeover:
+    """This daemon coordinates a job whose coordinator was lost, from its nodes' word."""
+
+    lost: str  # the lost coordinator's peer address
+    expected: set[str]  # the roster's other nodes' peer addresses
+    started: float
+    states: dict[bytes, PeerReformState] = field(default_factory=dict)
+    peers: dict[bytes, str] = field(default_factory=dict)  # node -> its peer address
+    plan: int = 0  # the highest plan version in force on a node
+
+    def add(self, node: bytes, message: PeerTakeover) -> None:
+        self.states[node] = PeerReformState(job=message.job, epoch=message.epoch,
+                                            delivered=message.delivered,
+                                            committing=message.committing)
+        self.peers[node] = message.join.peer
+        self.plan = max(self.plan, message.plan)
+
+    def complete(self, now: float) -> bool:
+        return self.expected <= set(self.peers.values()) or now - self.started > TAKEOVER_WAIT_S
+
+
+def expected_peers(roster: list[RosterEntry], lost: str) -> set[str]:
+    return {entry.peer for entry in roster if entry.peer and entry.peer != lost}
 
 
 @dataclass

@@ -21,6 +21,7 @@ class JobFactory:
                  send_peer: SendPeer) -> None:
         self.settings = settings
         self.backend = ""  # the daemon's engine, once chosen at start
+        self.peer_port = 0  # the daemon's peer port, once bound
         self.observe: Callable[[str, Any], None] | None = None  # metrics, when served
         self.on_membership_change: Callable[[str, str], None] | None = None  # metrics, too
         self._executor = executor
@@ -44,6 +45,7 @@ class JobFactory:
             max_job_bytes=settings.max_job_bytes,
             observe=self.observe,
             on_membership_change=self.on_membership_change,
+            peer_address=self.peer_address,
         ))
 
     def engine_for(self, kind: str) -> str:
@@ -58,3 +60,8 @@ class JobFactory:
         if host not in ("0.0.0.0", "::", "*"):
             return host
         return route_source(coordinator_host)
+
+    def peer_address(self, coordinator_host: str) -> str:
+        """Where other daemons reach this one's peer endpoint ("host:port")."""
+        host = self.advertise(coordinator_host)
+        return f"[{host}]:{self.peer_port}" if ":" in host else f"{host}:{self.peer_port}"

@@ -115,6 +115,7 @@ class Daemon:
         self._peers, self.peer_port = bind_peers(self._context, self.settings.listen_host,
                                                  self.settings.listen_port, key,
                                                  watch=self._security.watch)
+        self._new_job.peer_port = self.peer_port
         served = await self._serve_metrics()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,7 @@ carries it out). Only jobs registered with ``fault_tolerance="continue"`` get he
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 import msgspec
@@ -15,18 +16,20 @@ from commd.engines.buffer_ops import BufferOps
 from commd.job import setup as set_up
 from commd.job.members import Members
 from commd.job.pipeline import Pipeline
-from commd.job.state import Epochs, JobContext
+from commd.job.state import Epochs, JobContext, Liveness
 from commd.job.tolerant import ResumeError, TolerantPipeline
 from commd_protocol import (
     Done,
     ErrorCode,
     Joining,
     PeerFault,
+    PeerJoin,
     PeerPlan,
     PeerReform,
     PeerReformState,
     PeerResume,
     PeerSetup,
+    PeerTakeover,
 )
 from commd_protocol.status import JobState
 
@@ -127,7 +130,10 @@ def on_reform(job: Tolerant, message: PeerReform) -> None:
 def resume_problem(job: Tolerant, message: PeerResume) -> str:
     """'' when a resume fits this node's job, else what is wrong with it."""
     stopped = job.state in (JobState.REFORMING, JobState.JOINING)
-    if not stopped or message.epoch != job.epochs.stopping_for:
+    # a new coordinator chooses its epoch: any later one will do
+    awaited = (message.epoch > job.epochs.epoch if job.epochs.taking_over
+               else message.epoch == job.epochs.stopping_for)
+    if not stopped or not awaited:
         return (f"a resume for epoch {message.epoch} while the job is {job.state} "
                 f"(stopped for epoch {job.epochs.stopping_for})")
     if not 0 <= message.node_index < message.nodes:
@@ -161,11 +167,11 @@ async def on_resume(job: JoiningJob, message: PeerResume) -> None:
             engine = await set_up.start_engine(job.ctx, job.coordinator_host, job.id, job.ops,
                                                place)
         except set_up.SetupError as exc:
-            if job.state is JobState.REFORMING and job.epochs.stopping_for == message.epoch:
+            if job.state is JobState.REFORMING and not resume_problem(job, message):
                 job.ctx.send_peer(job.coordinator, PeerFault(
                     job=job.id, epoch=message.epoch, message=str(exc)[:MAX_CHANGE_CHARS]))
             return
-    if job.state is not JobState.REFORMING or job.epochs.stopping_for != message.epoch:
+    if job.state is not JobState.REFORMING or resume_problem(job, message):
         if engine is not None:  # failed, closed or changed again while the group formed
             engine.close()
         return
@@ -231,6 +237,7 @@ def _enter(job: Tolerant, message: PeerResume, kind: str) -> None:
             if not member.left:
                 job.ctx.send_client(member.identity, notice)
     epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
+    epochs.roster, epochs.taking_over = message.roster, False
     epochs.changes = [*epochs.changes,
                       (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]
     if job.ctx.on_membership_change is not None:
@@ -254,3 +261,39 @@ def stamp(done: Done, epochs: Epochs, told: int, ran_in: int) -> int:
         done.members = epochs.members_of(ran_in)
         done.change = epochs.words_since(told, ran_in)
     return max(told, ran_in)
+
+
+def take_over(job: TakingOver, problem: str) -> bool:
+    """The coordinator is silent: stop, and ask the roster's next node to coordinate (the
+    node holding the lowest rank, past those given up on); False when there is none."""
+    if job.state not in (JobState.RUNNING, JobState.REFORMING) or _pipeline(job) is None:
+        return False
+    epochs = job.epochs
+    gone = {*epochs.given_up, job.coordinator}
+    successor = next((entry.peer for entry in sorted(epochs.roster, key=lambda e: min(e.ranks))
+                      if entry.peer and entry.peer not in gone), None)
+    if successor is None:
+        return False
+    pipeline = _pipeline(job)
+    assert pipeline is not None
+    delivered, committing = (_stop(job) if job.state is JobState.RUNNING
+                             else (pipeline.iteration, pipeline.committing))
+    pipeline.forget_expected_decisions()
+    lost, job.coordinator = job.coordinator, successor
+    epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]
+    epochs.taking_over = True
+    job.liveness.heard_at = time.monotonic()  # the new coordinator's silence counts from now
+    log.warning("job %s: %s; asking %s to coordinate", job.id, problem, successor)
+    job.ctx.send_peer(successor, PeerTakeover(
+        job=job.id, epoch=max(epochs.epoch, epochs.stopping_for), delivered=delivered,
+        committing=committing, join=job.join_request(), roster=epochs.roster, lost=lost,
+        plan=pipeline.plan.version if pipeline.plan else 0))
+    return True
+
+
+class TakingOver(Tolerant, Protocol):
+    """What a takeover needs of the job besides the epochs' own."""
+
+    liveness: Liveness
+
+    def join_request(self) -> PeerJoin: ...

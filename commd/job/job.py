@@ -27,6 +27,7 @@ from commd_protocol import (
     ErrorCode,
     Hello,
     PeerAbort,
+    PeerJoin,
     PeerLeave,
     PeerPlan,
     PeerReform,
@@ -121,8 +122,14 @@ class Job:
     def _join(self) -> None:
         self.state = JobState.JOINING
         self.liveness.joined_at = time.monotonic()
-        self.ctx.send_peer(self.coordinator, join_request(
-            self.id, self.world_size, self.members, self.ctx.advertise(self.coordinator_host)))
+        self.ctx.send_peer(self.coordinator, self.join_request())
+
+    def join_request(self) -> PeerJoin:
+        """This node's part of the job, as it asks the coordinator to join (and, when the
+        coordinator of a tolerant job is lost, asks the next one to take over)."""
+        host = self.coordinator_host
+        return join_request(self.id, self.world_size, self.members, self.ctx.advertise(host),
+                            self.ctx.peer_address(host))
 
     # --- starting --------------------------------------------------------------------------------
 
@@ -137,6 +144,7 @@ class Job:
             self.fail(ErrorCode.INVALID, f"the coordinator sent a bad set-up: {problem}")
             return
         self.state, self.setup = JobState.STARTING, message
+        self.epochs.roster = message.roster
         try:
             probe = await setup.set_up(self, message)
         except setup.SetupError as exc:

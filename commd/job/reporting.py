@@ -67,7 +67,8 @@ class Reporter:
         return IterationTiming(last=recent[-1], mean=sum(recent) / len(recent))
 
 
-def join_request(job: str, world_size: int, members: Members, host: str) -> PeerJoin:
+def join_request(job: str, world_size: int, members: Members, host: str,
+                 peer: str = "") -> PeerJoin:
     """Every local rank registered: ask the coordinator to let this node join (``host``: the
     address our engine listens on)."""
     reg = members.first_registration()
@@ -76,7 +77,7 @@ def join_request(job: str, world_size: int, members: Members, host: str) -> Peer
         world_size=world_size, layers=reg.layers, dtype=reg.dtype, op=reg.op,
         planner=reg.planner, compression=reg.compression, profile=reg.profile, host=host,
         device=reg.device, fault_tolerance=reg.fault_tolerance,
-        min_world_size=reg.min_world_size,
+        min_world_size=reg.min_world_size, peer=peer,
     )
 
 

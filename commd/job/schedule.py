@@ -59,6 +59,10 @@ class PlanSchedule:
         if iteration >= now:
             self._required.add(iteration)
 
+    def forget_expected(self) -> None:
+        """Decisions awaited from a coordinator that is gone: run on the plan in force."""
+        self._required.clear()
+
     def add(self, effective_iteration: int, plan: Plan, now: int) -> None:
         """A decision: ``plan`` from ``effective_iteration`` on (or from ``now``, if later)."""
         self._scheduled[max(effective_iteration, now)] = plan

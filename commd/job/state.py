@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from commd.job.segments import SharedSegment
-from commd_protocol import ErrorCode, Register
+from commd_protocol import ErrorCode, Register, RosterEntry
 from commd_protocol.errors import prefixed
 from commd_protocol.status import JobState
 
@@ -68,6 +68,8 @@ class JobContext:
     observe: Callable[[str, IterationRecord], None] | None = None
     # (job id, kind) for every membership change of a tolerant job, e.g. metrics (None: off)
     on_membership_change: Callable[[str, str], None] | None = None
+    # coordinator host -> "host:port" of this daemon's peer endpoint as that host reaches it
+    peer_address: Callable[[str], str] = lambda host: ""
 
 
 @dataclass
@@ -93,6 +95,11 @@ class Epochs:
     # (epoch, its ranks, what changed), oldest first
     changes: list[tuple[int, list[int], str]] = field(default_factory=list)
     stopping_for: int = 0  # the epoch the node stopped for (answered a reform), 0: none
+    # the epoch's nodes (where to turn if the coordinator is lost), and the coordinators
+    # given up on; taking_over: asked the roster's next node to coordinate, awaiting it
+    roster: list[RosterEntry] = field(default_factory=list)
+    given_up: list[str] = field(default_factory=list)
+    taking_over: bool = False
     source: int = -1  # a joining node: the rank that gives its ranks the training state
 
     def members_of(self, epoch: int) -> list[int]:

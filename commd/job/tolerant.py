@@ -121,6 +121,11 @@ class TolerantPipeline(Pipeline):
         self._watch.where = f"node {node_index} of {nodes}"
         self.start()
 
+    def forget_expected_decisions(self) -> None:
+        """The coordinator that was to decide them is gone (a takeover): no iteration waits
+        for them; the next coordinator's rounds decide from here."""
+        self._schedule.forget_expected()
+
     def join_at(self, iteration: int, *, world_size: int, expect: list[int]) -> None:
         """A node that joins a running job starts at its ``iteration`` (before ``start``),
         awaiting the decisions the others await (``expect``)."""

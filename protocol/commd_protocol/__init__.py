@@ -51,6 +51,8 @@ from .peer import (
     PeerResume,
     PeerSetup,
     PeerStatus,
+    PeerTakeover,
+    RosterEntry,
 )
 
 __version__ = "0.1.0"
@@ -95,11 +97,13 @@ __all__ = [
     "PeerResume",
     "PeerSetup",
     "PeerStatus",
+    "PeerTakeover",
     "Progress",
     "ProtocolViolation",
     "Ready",
     "Register",
     "Registered",
+    "RosterEntry",
     "StatusReply",
     "StatusRequest",
     "TraceEvent",

@@ -19,6 +19,14 @@ DECISION_LAG = 2
 ALLREDUCE, ALLGATHER = 0, 1
 
 
+class RosterEntry(msgspec.Struct, array_like=True):
+    """One node of a tolerant job: where its daemon's peer endpoint is, and its ranks. Every
+    node keeps the roster of its epoch, to find the next coordinator if its own is lost."""
+
+    peer: str  # "host:port"
+    ranks: list[int]
+
+
 class PeerJoin(_Msg, tag="peer_join"):
     """A node's daemon has every local rank of ``job`` registered and asks to join."""
 
@@ -38,6 +46,7 @@ class PeerJoin(_Msg, tag="peer_join"):
     # fault-tolerance.md); every node must agree, as on the smallest world it goes on with.
     fault_tolerance: str = "fail"
     min_world_size: int = 1
+    peer: str = ""  # "host:port" of this node's daemon's peer endpoint, as others reach it
 
 
 class PeerSetup(_Msg, tag="peer_setup"):
@@ -52,6 +61,7 @@ class PeerSetup(_Msg, tag="peer_setup"):
     # The job's keys in that store live under this random prefix: only the job's nodes learn
     # it, over the authenticated peer channel ("": an older coordinator, "<job>/<generation>").
     store_prefix: str = ""
+    roster: list[RosterEntry] = msgspec.field(default_factory=list)  # tolerant jobs
 
 
 class PeerAbort(_Msg, tag="peer_abort"):
@@ -207,6 +217,7 @@ class PeerResume(_Msg, tag="peer_resume"):
     expect: Annotated[list[int], msgspec.Meta(max_length=64)] = msgspec.field(
         default_factory=list)
     source: int = -1  # a joining node: the lowest rank that was in the job before
+    roster: list[RosterEntry] = msgspec.field(default_factory=list)  # the new epoch's nodes
 
 
 class PeerFault(_Msg, tag="peer_fault"):
@@ -223,6 +234,21 @@ class PeerFault(_Msg, tag="peer_fault"):
         msgspec.field(default_factory=list)
 
 
+class PeerTakeover(_Msg, tag="peer_takeover"):
+    """A node of a tolerant job whose coordinator went silent, to the roster's next node:
+    coordinate the job from here. It has stopped its data plane; ``join`` is its part of the
+    job, as it first joined, and the rest says where its iteration stands."""
+
+    job: str
+    epoch: int  # the latest epoch it knows
+    delivered: int
+    committing: bool
+    join: PeerJoin
+    roster: list[RosterEntry]  # its epoch's nodes
+    lost: str  # the silent coordinator's peer address
+    plan: int = 0  # the version of the plan in force on it
+
+
 PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
                | PeerHeartbeat | PeerStatus | PeerReform | PeerReformState | PeerResume
-               | PeerFault)
+               | PeerFault | PeerTakeover)
