@@ -54,8 +54,10 @@ from commd_protocol import (
     RosterEntry,
 )
 from commd_protocol.agreement import describe_difference
+from commd_protocol.checks import roster_problem
 from commd_protocol.dtypes import itemsize
 from commd_protocol.errors import prefixed
+from commd_protocol.limits import count_problem
 from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 from commd_protocol.status import CoordinatedJob
 
@@ -373,7 +375,7 @@ class Coordinator:
 
     def _forming_limit(self, node: bytes) -> str:
         """'' when a new job may start forming here for ``node``, else which limit it hits."""
-        forming = [f for f in self._jobs.values() if not f.formed]
+        forming = [f for f in self._jobs.values() if not f.formed or f.takeover is not None]
         if len(forming) >= MAX_FORMING:
             return f"{MAX_FORMING} jobs are forming on this coordinator already"
         if sum(node in f.joins for f in forming) >= MAX_FORMING_PER_NODE:
@@ -537,6 +539,12 @@ class Coordinator:
             problem, code = join_problem(join, self._limits)
             if not problem and (join.fault_tolerance != "continue" or join.job != message.job):
                 problem = "only a fault_tolerance=\"continue\" job can be taken over"
+            if not problem:
+                problem = (roster_problem(message.roster, join.world_size, join.world_size)
+                           or count_problem("epoch", message.epoch)
+                           or count_problem("delivered", message.delivered))
+            if not problem:
+                problem, code = self._forming_limit(node), ErrorCode.LIMIT
             if problem:
                 self._refuse(node, message.job, problem, code)
                 return

@@ -31,6 +31,7 @@ from commd_protocol import (
     PeerSetup,
     PeerTakeover,
 )
+from commd_protocol.checks import roster_problem
 from commd_protocol.status import JobState
 
 log = logging.getLogger("commd.jobs")
@@ -142,7 +143,7 @@ def resume_problem(job: Tolerant, message: PeerResume) -> str:
         return "its ranks must be distinct and sorted"
     if message.members[0] < 0 or message.members[-1] >= job.world_size:
         return f"its ranks must lie in 0..{job.world_size - 1}"
-    return ""
+    return roster_problem(message.roster, message.nodes, job.world_size)
 
 
 async def on_resume(job: JoiningJob, message: PeerResume) -> None:

@@ -21,6 +21,7 @@ from commd_protocol.checks import (
     job_id_problem,
     layers_problem,
     layout_problem,
+    roster_problem,
     tolerance_problem,
 )
 from commd_protocol.dtypes import itemsize
@@ -137,7 +138,7 @@ def setup_problem(setup: PeerSetup) -> str:
         return f"rendezvous port {setup.store_port}"
     if len(setup.store_prefix) > 128:
         return f"a rendezvous prefix of {len(setup.store_prefix)} characters"
-    return ""
+    return roster_problem(setup.roster, setup.nodes, MAX_RANKS)
 
 
 def plan_problem(plan: PeerPlan, layers: int) -> str:

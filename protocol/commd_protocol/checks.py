@@ -79,3 +79,21 @@ def ranks_problem(ranks: Sequence[int], world_size: int) -> str:
 def finite(values: Iterable[float], *, minimum: float = 0.0) -> bool:
     """Every value is a finite number >= ``minimum``."""
     return all(math.isfinite(v) and v >= minimum for v in values)
+
+
+MAX_PEER_ADDRESS_CHARS = 300  # "host:port", a DNS name and a port
+
+
+def roster_problem(roster: Sequence[object], nodes: int, world_size: int) -> str:
+    """'' when a tolerant job's roster (``RosterEntry`` rows) fits ``nodes`` nodes of a
+    ``world_size``-rank job, else what is wrong: a node turns to these addresses when its
+    coordinator is lost, so none may be absurd."""
+    if len(roster) > nodes:
+        return f"a roster of {len(roster)} nodes for {nodes}"
+    for entry in roster:
+        peer, ranks = getattr(entry, "peer", ""), getattr(entry, "ranks", [])
+        if len(peer) > MAX_PEER_ADDRESS_CHARS:
+            return f"a roster address of {len(peer)} characters"
+        if not ranks or any(not 0 <= rank < world_size for rank in ranks):
+            return f"a roster entry with ranks {list(ranks)[:10]} outside 0..{world_size - 1}"
+    return ""

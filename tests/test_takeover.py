@@ -1,0 +1,114 @@
+"""Taking over a tolerant job whose coordinator was lost, on the next node's ``Coordinator``:
+it gathers the roster's nodes (``PeerTakeover``), waits for the missing ones only so long,
+then resumes them in a new epoch; what does not fit is refused alone. The real
+``Coordinator`` with a recording ``send`` and a fake clock, as in test_membership_hostile."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from test_membership_hostile import JOB, B, C, Recorder, join
+
+from commd.coordinator.coordinator import MAX_FORMING_PER_NODE, Coordinator
+from commd.coordinator.membership import TAKEOVER_WAIT_S
+from commd_protocol import (
+    ErrorCode,
+    Layer,
+    PeerAbort,
+    PeerResume,
+    PeerTakeover,
+    RosterEntry,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+LOST = "10.0.0.1:29600"
+ROSTER = [RosterEntry(peer=LOST, ranks=[0]), RosterEntry(peer="10.0.0.2:29600", ranks=[1]),
+          RosterEntry(peer="10.0.0.3:29600", ranks=[2])]
+
+
+def takeover(rank: int, epoch: int = 2, delivered: int = 8, committing: bool = False,
+             **changes: object) -> PeerTakeover:
+    part = msgspec.structs.replace(join(rank), peer=f"10.0.0.{rank + 1}:29600")
+    message = PeerTakeover(job=JOB, epoch=epoch, delivered=delivered, committing=committing,
+                           join=part, roster=ROSTER, lost=LOST, plan=3)
+    return msgspec.structs.replace(message, **changes)
+
+
+def successor() -> tuple[Coordinator, Recorder]:
+    recorder = Recorder()
+    return Coordinator(recorder, store_port=lambda host: 29777), recorder
+
+
+def test_the_roster_gathers_and_resumes_in_a_new_epoch() -> None:
+    coordinator, recorder = successor()
+    coordinator.on_message(B, takeover(1, epoch=2, delivered=8, committing=True))
+    assert recorder.take() == []  # node 2 has not asked yet
+    coordinator.on_message(C, takeover(2, epoch=2, delivered=9))
+    resumes = dict(recorder.take())
+    assert set(resumes) == {B, C}
+    for index, node in enumerate((B, C)):
+        resume = resumes[node]
+        assert isinstance(resume, PeerResume)
+        assert (resume.epoch, resume.iteration, resume.members) == (3, 9, [1, 2])
+        assert (resume.node_index, resume.nodes, resume.store_port) == (index, 2, 29777)
+        assert [entry.peer for entry in resume.roster] == ["10.0.0.2:29600", "10.0.0.3:29600"]
+        assert "the coordinator 10.0.0.1:29600 lost" in resume.change
+    (job,) = coordinator.status()
+    assert (job.formed, job.nodes, job.epoch) == (True, 2, 3)
+
+
+def test_a_node_that_does_not_ask_in_time_is_lost_with_the_coordinator() -> None:
+    coordinator, recorder = successor()
+    coordinator.on_message(B, takeover(1))
+    coordinator.tick(10**6)  # long past TAKEOVER_WAIT_S
+    (resume,) = [m for _, m in recorder.take() if isinstance(m, PeerResume)]
+    assert resume.members == [1] and resume.nodes == 1 and resume.store_port == 0
+    assert "10.0.0.3:29600 did not ask within the wait" in resume.change
+    assert TAKEOVER_WAIT_S < 10**6
+    coordinator.on_message(C, takeover(2))  # late: refused, the job goes on without it
+    (sent,) = recorder.take()
+    assert sent[0] == C and isinstance(sent[1], PeerAbort)
+    assert "taken over without this node" in sent[1].message
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"join": msgspec.structs.replace(join(1), fault_tolerance="fail")},
+     'only a fault_tolerance="continue" job'),
+    ({"join": msgspec.structs.replace(join(1), job="other")}, 'only a fault_tolerance'),
+    ({"roster": ROSTER * 2}, "a roster of 6 nodes for 3"),
+    ({"roster": [RosterEntry(peer="x" * 301, ranks=[1])]}, "a roster address of 301"),
+    ({"roster": [RosterEntry(peer="a:1", ranks=[7])]}, "outside 0..2"),
+    ({"roster": [RosterEntry(peer="a:1", ranks=[])]}, "a roster entry with ranks []"),
+    ({"epoch": -1}, "epoch"),
+    ({"delivered": -5}, "delivered"),
+])
+def test_a_takeover_that_does_not_fit_is_refused(changes: dict[str, object],
+                                                 words: str) -> None:
+    coordinator, recorder = successor()
+    coordinator.on_message(B, takeover(1, **changes))
+    (sent,) = recorder.take()
+    assert sent[0] == B and isinstance(sent[1], PeerAbort) and words in sent[1].message
+    assert coordinator.status() == []
+
+
+def test_a_second_node_with_another_model_is_refused_alone() -> None:
+    coordinator, recorder = successor()
+    coordinator.on_message(B, takeover(1))
+    other = msgspec.structs.replace(join(2), layers=[Layer(name="w", size=9)])
+    coordinator.on_message(C, takeover(2, join=other))
+    (sent,) = recorder.take()
+    assert sent[0] == C and isinstance(sent[1], PeerAbort)
+    assert sent[1].code == ErrorCode.MISMATCH and "differ from the running job" in sent[1].message
+    (job,) = coordinator.status()
+    assert job.nodes == 1
+
+
+def test_takeovers_count_against_the_forming_limit() -> None:
+    coordinator, recorder = successor()
+    for number in range(MAX_FORMING_PER_NODE + 1):
+        part = msgspec.structs.replace(join(1), job=f"j{number}", peer="10.0.0.2:29600")
+        coordinator.on_message(B, msgspec.structs.replace(takeover(1), job=f"j{number}",
+                                                          join=part))
+    refused = [m for _, m in recorder.take() if isinstance(m, PeerAbort)]
+    assert len(refused) == 1 and refused[0].code == ErrorCode.LIMIT
