@@ -1,0 +1,188 @@
+"""The launch pattern of docs/fault-tolerance.md with examples/elastic_train.py: one
+``torchrun --standalone --max-restarts`` per node, commd forming the job across them. A rank
+that crashes is restarted by its own node's torchrun only, the restart rejoins the running job
+from a live peer, and every rank ends with the same parameters. Three real daemons on
+127.0.0.1, one rank each, real Gloo; the same with plain processes restarted by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.processes import finish, kill_all, run_launchers
+
+pytestmark = pytest.mark.timeout(150)
+
+TESTS = Path(__file__).resolve().parent
+WORKER = str(TESTS / "elastic_launch_worker.py")
+EXAMPLE = TESTS.parent / "examples" / "elastic_train.py"
+STEPS, EPOCHS, CRASH_AT, HOLD_AT, CRASH_RANK = 24, 4, 8, 10, 2
+SUMMARY = re.compile(r"^elastic_train: rank=(\d+) joined_at=(\d+) steps_run=(\d+) counter=(\d+) "
+                     r"world_size=(\d+) members=([\d,]+) checksum=([0-9a-f]+)$", re.MULTILINE)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[LocalDaemon]]:
+    before = commd_segments()
+    started: list[LocalDaemon] = []
+    try:
+        for index in range(3):
+            started.append(LocalDaemon(tmp_path, f"d{index}", "--backend", "gloo",
+                                       "--peer-timeout-s", "3"))
+        yield started
+    finally:
+        for daemon in started:
+            daemon.stop()
+    assert commd_segments() <= before
+
+
+def options(marker: Path) -> list[str]:
+    return ["--steps", str(STEPS), "--epochs", str(EPOCHS), "--crash-at", str(CRASH_AT),
+            "--crash-rank", str(CRASH_RANK), "--crash-marker", str(marker)]
+
+
+def node_env(nodes: list[LocalDaemon], job: str, node: int) -> dict[str, str]:
+    """What a user exports on node ``node`` before its torchrun. Without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the workers never open torchrun's store (no process
+    group), so its sharing cannot get in a restart's way, and the test shows it."""
+    env = {**os.environ, "COMMD_NODE_RANK": str(node), "COMMD_NNODES": str(len(nodes)),
+           "COMMD_JOB": job, "COMMD_COORDINATOR": nodes[0].address,
+           "COMMD_SOCKET": nodes[node].socket, "COMMD_FAULT_TOLERANCE": "continue",
+           "COMMD_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    return env
+
+
+def summaries(text: str) -> list[dict[str, str]]:
+    keys = ("rank", "joined_at", "steps_run", "counter", "world_size", "members", "checksum")
+    return [dict(zip(keys, match.groups(), strict=True)) for match in SUMMARY.finditer(text)]
+
+
+def check_outcome(lines: list[dict[str, str]], output: str) -> None:
+    """One summary per rank; the crashed rank's from its restart, which joined the running
+    job past the crash; everyone at the last step with the same parameters."""
+    assert sorted(int(line["rank"]) for line in lines) == [0, 1, 2], output
+    by_rank = {int(line["rank"]): line for line in lines}
+    assert CRASH_AT < int(by_rank[CRASH_RANK]["joined_at"]) <= HOLD_AT, output
+    for rank in (0, 1):
+        assert by_rank[rank]["joined_at"] == "0", output
+    for line in lines:
+        assert int(line["joined_at"]) + int(line["steps_run"]) == STEPS, output
+        assert line["counter"] == str(STEPS), output  # the registered counter came along
+        assert (line["world_size"], line["members"]) == ("3", "0,1,2"), output
+    assert len({line["checksum"] for line in lines}) == 1, output
+
+
+def test_one_torchrun_per_node_restarts_only_the_crashed_node(
+        nodes: list[LocalDaemon], tmp_path: Path) -> None:
+    """Node 2's worker crashes inside step 8's backward; nodes 0 and 1 finish that step
+    without it and go on, their torchruns untouched; node 2's torchrun restarts its worker,
+    which rejoins the running job from a live peer. Every torchrun exits 0."""
+    job = f"elastic-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "crashed"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               "--nproc-per-node=1", "--max-restarts=3", WORKER, str(HOLD_AT), *options(marker)]
+    logs = [tmp_path / f"node{node}.log" for node in range(3)]
+    problem = run_launchers([command] * 3, [node_env(nodes, job, node) for node in range(3)],
+                            logs, timeout_s=120)
+    texts = [log.read_text(errors="replace") for log in logs]
+    output = "\n".join(f"--- node {node}\n{text}" for node, text in enumerate(texts))
+    assert problem == "", f"{problem}\n{output}"
+    assert marker.exists(), output  # the crash happened
+    check_outcome([line for text in texts for line in summaries(text)], output)
+    # Only node 2's agent saw a failure and started its worker again; the others' workers
+    # ran once, through the loss and the rejoin (their clients' warnings).
+    assert "failed (exitcode: 1)" in texts[2], output
+    assert "rank 2: joined the running job" in texts[2], output
+    for node in (0, 1):
+        assert "failed (exitcode" not in texts[node], output
+        assert texts[node].count(f"rank {node}: epoch 0 done") == 1, output
+        assert "world size 3 -> 2" in texts[node] and "world size 2 -> 3" in texts[node], output
+
+
+def test_plain_processes_with_a_restart_by_hand(nodes: list[LocalDaemon],
+                                                tmp_path: Path) -> None:
+    """The same script without torchrun: rank 2 crashes, and starting it again (same job,
+    same rank) brings it back into the running job."""
+    job = f"elastic-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "crashed"
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        env = {**node_env(nodes, job, rank), "RANK": str(rank), "WORLD_SIZE": "3",
+               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        for name in ("COMMD_NODE_RANK", "COMMD_NNODES"):
+            del env[name]
+        return subprocess.Popen([sys.executable, WORKER, str(HOLD_AT), *options(marker)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    first = [start(rank) for rank in range(3)]
+    running = list(first)
+    try:
+        crashed = finish([first[CRASH_RANK]], 90.0)[0]
+        assert crashed.returncode == 1, crashed.stderr
+        assert marker.exists(), crashed.stderr
+        running.append(start(CRASH_RANK))
+        outcome = finish([first[0], first[1], running[-1]], 90.0)
+    finally:
+        kill_all(running)
+    output = "\n".join(f"--- rank {rank}\n{done.stdout}{done.stderr[-3000:]}"
+                       for rank, done in enumerate(outcome))
+    assert [done.returncode for done in outcome] == [0, 0, 0], output
+    check_outcome([line for done in outcome for line in summaries(done.stdout)], output)
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("elastic_train_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--steps", "0"], "--steps"),
+    (["--steps", "many"], "--steps"),
+    (["--steps", "4", "--epochs", "5"], "--epochs"),
+    (["--epochs", "0"], "--epochs"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--samples", "8", "--batch-size", "16"], "--batch-size"),
+    (["--crash-at", "3"], "--crash-rank"),
+    (["--crash-rank", "1"], "--crash-at"),
+    (["--crash-at", "1e400", "--crash-rank", "1"], "--crash-at"),
+    (["--lr", ""], "--lr"),
+    (["--step-time", "-1"], "--step-time"),
+    (["--step-time", "nan"], "--step-time"),
+    (["--step-time", "1e9"], "--step-time"),
+    (["--unknown"], "--unknown"),
+])
+def test_the_example_refuses_bad_options_naming_them(argv: list[str], named: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad options end the example before it talks to commd, with argparse's usage error
+    naming the option."""
+    example = load_example()
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_crash_marker_defaults_to_one_per_job_and_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --crash-marker the marker is named by the job and the rank, so another job
+    crashes again and a restart of this one does not."""
+    monkeypatch.setenv("COMMD_JOB", "job-a")
+    example = load_example()
+    args = example.parse_args(["--crash-at", "3", "--crash-rank", "1"])
+    assert args.crash_marker.name == "elastic_train-job-a-rank1.crashed"
+    assert example.parse_args([]).crash_marker is None
