@@ -271,12 +271,19 @@ def test_only_the_per_step_broadcast_takes_the_tolerance(where: LocalDaemon) -> 
         per_step.close()
 
 
-def test_framework_keywords_pass_the_options_through() -> None:
+def test_frameworks_refuse_continue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's and Accelerate's own collectives run on torch.distributed's process group,
+    which a lost rank stops: "continue" is refused there, from a keyword or the variable."""
     common: dict[str, Any] = {"compression": None, "planner": None, "socket": None,
                               "coordinator": None, "job": None, "commd_timeout": None}
-    assert commd_keywords("Accelerator", **common, fault_tolerance="continue",
-                          min_world_size=2) == {"fault_tolerance": "continue",
-                                                "min_world_size": 2}
+    with pytest.raises(CommdValueError, match=r"^commd: Accelerator: fault_tolerance="):
+        commd_keywords("Accelerator", **common, fault_tolerance="continue")
+    monkeypatch.setenv("COMMD_FAULT_TOLERANCE", "continue")
+    with pytest.raises(CommdValueError, match=r"process group, which a lost rank stops"):
+        commd_keywords("CommdDDPStrategy", **common)
+    monkeypatch.delenv("COMMD_FAULT_TOLERANCE")
+    assert commd_keywords("Accelerator", **common, fault_tolerance="fail",
+                          min_world_size=2) == {"min_world_size": 2}
     assert commd_keywords("Accelerator", **common) == {}
     with pytest.raises(CommdValueError, match=r"^commd: Accelerator: fault_tolerance='x'"):
         commd_keywords("Accelerator", **common, fault_tolerance="x")

@@ -6,8 +6,8 @@ apart from the frameworks' own ``timeout``, which is the process group's). They 
 for their kind here, before the framework sets anything up, so a misconfigured script fails
 on every rank alike and at once; what a string means (a compression spec, a planner name) is
 the daemon's to judge, at registration, as for ``commd_client.torch.DistributedDataParallel``.
-``fault_tolerance`` and ``min_world_size`` are checked in full here (their accepted values are
-the client's); ``min_world_size``'s upper bound, the world size, waits for the wrapper.
+``fault_tolerance="continue"`` is refused here (also from COMMD_FAULT_TOLERANCE): the
+frameworks' own collectives run on torch.distributed's process group, which a lost rank stops.
 """
 
 from __future__ import annotations
@@ -47,8 +47,14 @@ def commd_keywords(owner: str, *, compression: Any, planner: Any, socket: Any,
                 f"commd: {owner}(commd_timeout={commd_timeout!r:.40}): "
                 f"{str(error).removeprefix('commd: ')}"
             ) from None
-    if fault_tolerance is not None:
-        given["fault_tolerance"] = _owned(owner, env.fault_tolerance, fault_tolerance)
+    if _owned(owner, env.fault_tolerance, fault_tolerance) == "continue":
+        # The framework's own collectives (barriers, metric syncs, checkpoint broadcasts) run
+        # on torch.distributed's process group, which a lost rank stops for every rank.
+        raise CommdValueError(
+            f'commd: {owner}: fault_tolerance="continue" (or COMMD_FAULT_TOLERANCE=continue) '
+            "is not available here: the framework's own collectives run on torch.distributed's "
+            "process group, which a lost rank stops; use commd_client.torch."
+            "DistributedDataParallel in a plain training loop (docs/fault-tolerance.md)")
     if min_world_size is not None:
         given["min_world_size"] = _owned(owner, _positive_int, min_world_size)
     return given
