@@ -16,18 +16,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 
 import msgspec
 
-from commd.coordinator.membership import (
-    Membership,
-    Takeover,
-    describe_nodes,
-    expected_peers,
-    survivors_order,
-)
+from commd.coordinator.formation import Deadlines, Formation
+from commd.coordinator.membership import Membership
 from commd.coordinator.replanner import Decision, Replanner
+from commd.coordinator.tolerance import TolerantCoordination, roster_of
 from commd.coordinator.validation import (
     JoinLimits,
     comm_problem,
@@ -35,7 +30,6 @@ from commd.coordinator.validation import (
     join_problem,
     profile_problem,
 )
-from commd.coordinator.watch import JobWatch
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
@@ -45,20 +39,14 @@ from commd_protocol import (
     PeerLeave,
     PeerPlan,
     PeerProfile,
-    PeerReform,
     PeerReformState,
-    PeerResume,
     PeerSetup,
     PeerStatus,
     PeerTakeover,
-    RosterEntry,
 )
 from commd_protocol.agreement import describe_difference
-from commd_protocol.checks import roster_problem
 from commd_protocol.dtypes import itemsize
 from commd_protocol.errors import prefixed
-from commd_protocol.limits import count_problem
-from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 from commd_protocol.status import CoordinatedJob
 
 log = logging.getLogger("commd.coordinator")
@@ -66,58 +54,11 @@ log = logging.getLogger("commd.coordinator")
 SendNode = Callable[[bytes, msgspec.Struct], None]
 
 
-@dataclass
-class Formation:
-    job: str
-    world_size: int
-    joins: dict[bytes, PeerJoin] = field(default_factory=dict)
-    generation: int = 0
-    formed: bool = False
-    replanner: Replanner | None = None
-    reports: dict[int, dict[bytes, PeerProfile]] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)  # forming has a deadline
-    watch: JobWatch = field(default_factory=JobWatch)  # liveness of its nodes, its stall
-    # Kept as joins come, so that a join is checked in its own size (Coordinator._check):
-    rank_hosts: dict[int, str] = field(default_factory=dict)  # rank -> its node's engine host
-    lowest: PeerJoin | None = None  # the join holding the lowest rank so far
-    # fault_tolerance="continue": its epochs (None: a lost node fails the job)
-    membership: Membership | None = None
-    store_port: int = 0  # where its engines' rendezvous store listens (0: one node)
-    joining: set[bytes] = field(default_factory=set)  # nodes joining in the change under way
-    first_round: dict[bytes, int] = field(default_factory=dict)  # a joiner's first report
-    plans: list[PeerPlan] = field(default_factory=list)  # the latest decisions, for joiners
-    deciding: set[int] = field(default_factory=set)  # rounds whose plan is being decided
-    takeover: Takeover | None = None  # taking over from a lost coordinator, gathering nodes
-
-    @property
-    def ranks_joined(self) -> int:
-        return len(self.rank_hosts)
-
-    def add(self, node: bytes, join: PeerJoin) -> None:
-        self.joins[node] = join
-        self.rank_hosts.update(dict.fromkeys(join.ranks, join.host))
-        if self.lowest is None or min(join.ranks) < min(self.lowest.ranks):
-            self.lowest = join
-
-    def forget(self, join: PeerJoin) -> None:
-        for rank in join.ranks:
-            self.rank_hosts.pop(rank, None)
-        if self.lowest is join:  # rare (a node joining twice): found again among the rest
-            self.lowest = min(self.joins.values(), key=lambda j: min(j.ranks), default=None)
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    form_s: float = 300.0  # a job must form within this
-    peer_s: float = 10.0  # a node silent this long fails the job
-    stall_warn_s: float = 60.0  # a stall this long is named
-    stall_s: float = 0.0  # a stall this long fails the job (0: never)
-
-
 # A node's abort with one of these means the node is gone from the job (its ranks died, its
 # daemon stops), not that the job is wrong: a tolerant job goes on without it.
 LOSS_CODES = frozenset({ErrorCode.RANK_LOST, ErrorCode.SHUTDOWN, ErrorCode.ENGINE,
                         ErrorCode.TIMEOUT})
+DEFAULT_DEADLINES = Deadlines()
 STATUS_EVERY_S = 2.0  # PeerStatus to every node of every job: liveness, joined ranks, stall
 MAX_FORMING = 256  # jobs forming on this coordinator at a time
 MAX_FORMING_PER_NODE = 32  # of those, joined by one node connection
@@ -142,9 +83,9 @@ def _checked_decision(replanner: Replanner, reports: list[PeerProfile],
         return replanner.decide(reports)
 
 
-class Coordinator:
+class Coordinator(TolerantCoordination):
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
-                 deadlines: Deadlines = Deadlines(), limits: JoinLimits | None = None,
+                 deadlines: Deadlines = DEFAULT_DEADLINES, limits: JoinLimits | None = None,
                  plan_in_thread: bool = False,
                  while_planning: Callable[[], AbstractContextManager[object]] = nullcontext,
                  ) -> None:
@@ -270,7 +211,7 @@ class Coordinator:
                     store_port=store_port,
                     store_prefix=prefix,
                     planner=first.planner,
-                    roster=_roster(order) if formation.membership is not None else [],
+                    roster=roster_of(order) if formation.membership is not None else [],
                 ),
             )
         log.info("job %s formed: %d nodes, %d ranks", formation.job, len(order),
@@ -458,221 +399,6 @@ class Coordinator:
         if not formation.joins:
             del self._jobs[leave.job]
 
-    # --- membership (fault_tolerance="continue") ---------------------------------------------
-
-    def _lose(self, formation: Formation, nodes: list[bytes], why: str) -> None:
-        """``nodes`` are gone from a tolerant job: the survivors move to a new epoch, or the
-        job fails when fewer than min_world_size ranks remain."""
-        membership = formation.membership
-        assert membership is not None
-        change = describe_nodes(formation.joins, nodes, why)
-        for node in nodes:
-            join = formation.joins.pop(node, None)
-            if join is not None:
-                formation.forget(join)
-            formation.watch.nodes.pop(node, None)
-            formation.joining.discard(node)
-            formation.first_round.pop(node, None)
-            for reports in formation.reports.values():
-                reports.pop(node, None)
-        ranks = sum(len(join.ranks) for join in formation.joins.values())
-        if not formation.joins or ranks < membership.min_world_size:
-            if formation.joins:
-                self._abort_all(formation, ErrorCode.RANK_LOST,
-                                f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
-                                f"{membership.min_world_size}")
-            else:
-                del self._jobs[formation.job]
-            return
-        self._reform(formation, change)
-        for round_number in sorted(formation.reports):  # rounds that waited for the lost
-            self._decide_if_whole(formation, round_number)
-
-    def _reform(self, formation: Formation, change: str) -> None:
-        membership = formation.membership
-        assert membership is not None
-        if membership.exhausted:
-            self._abort_all(formation, ErrorCode.ENGINE,
-                            f"{change}; the job reformed {membership.fruitless} times without "
-                            "finishing an iteration")
-            return
-        reform = membership.begin(change, time.monotonic())
-        log.warning("job %s: epoch %d: %s", formation.job, reform.epoch, reform.change)
-        for node in formation.joins:
-            self._send(node, PeerReform(job=formation.job, epoch=reform.epoch,
-                                        change=reform.change))
-
-    def _on_fault(self, node: bytes, fault: PeerFault) -> None:
-        """A node's collective failed: unless a change already runs, reform the same nodes
-        (a peer that vanished without a word is then found by its silence to the reform)."""
-        formation = self._jobs.get(fault.job)
-        if formation is None or formation.membership is None or node not in formation.joins:
-            return
-        membership = formation.membership
-        if fault.lost_ranks:
-            self._lose_ranks(formation, node, fault)
-            return
-        if membership.reform is not None or fault.epoch != membership.epoch:
-            return  # the change in progress, or one already made, covers it
-        host = formation.joins[node].host
-        self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
-
-    def _admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
-        """A node asks to join a running tolerant job (a replacement, or more ranks): it is
-        taken in at the next change if it fits, else refused alone; the job runs on."""
-        problem = _admission_problem(formation, node, join)
-        if problem:
-            self._refuse(node, join.job, problem, ErrorCode.MISMATCH)
-            return
-        assert formation.lowest is not None
-        formation.add(node, msgspec.structs.replace(join, layers=formation.lowest.layers))
-        formation.joining.add(node)
-        formation.watch.heard(node, time.monotonic())
-        self._reform(formation, f"node {join.host} (ranks {join.ranks[:20]}) joined")
-
-    def _on_takeover(self, node: bytes, message: PeerTakeover) -> None:
-        """A node of a tolerant job whose coordinator went silent asks this daemon, the
-        roster's next, to coordinate it: gather the roster's nodes, then resume them."""
-        join = message.join
-        formation = self._jobs.get(message.job)
-        if formation is None:
-            problem, code = join_problem(join, self._limits)
-            if not problem and (join.fault_tolerance != "continue" or join.job != message.job):
-                problem = "only a fault_tolerance=\"continue\" job can be taken over"
-            if not problem:
-                problem = (roster_problem(message.roster, join.world_size, join.world_size)
-                           or count_problem("epoch", message.epoch)
-                           or count_problem("delivered", message.delivered))
-            if not problem:
-                problem, code = self._forming_limit(node), ErrorCode.LIMIT
-            if problem:
-                self._refuse(node, message.job, problem, code)
-                return
-            formation = self._jobs[message.job] = Formation(message.job, join.world_size)
-            formation.formed = True
-            formation.membership = Membership(join.min_world_size, epoch=message.epoch)
-            formation.store_port = self._store_port(join.host)
-            sizes = [layer.size * itemsize(join.dtype) for layer in join.layers]
-            formation.replanner = Replanner(join.planner, sizes, nodes=len(message.roster),
-                                            compression=join.compression,
-                                            itemsize=itemsize(join.dtype))
-            formation.takeover = Takeover(message.lost,
-                                          expected_peers(message.roster, message.lost),
-                                          time.monotonic())
-            log.warning("job %s: its coordinator %s is lost; coordinating it here",
-                        message.job, message.lost)
-        takeover = formation.takeover
-        if takeover is None:  # formed here already: this node was given up on, or is late
-            self._refuse(node, message.job, "the job was taken over without this node")
-            return
-        problem = "" if formation.lowest is None else _admission_problem(formation, node, join)
-        if problem:
-            self._refuse(node, message.job, problem, ErrorCode.MISMATCH)
-            return
-        formation.add(node, join)
-        formation.watch.heard(node, time.monotonic())
-        takeover.add(node, message)
-        assert formation.membership is not None
-        formation.membership.epoch = max(formation.membership.epoch, message.epoch)
-        if takeover.complete(time.monotonic()):
-            self._take_over(formation)
-
-    def _take_over(self, formation: Formation) -> None:
-        """Every node of the roster asked (or the wait is over): a new epoch from here."""
-        takeover, membership = formation.takeover, formation.membership
-        assert takeover is not None and membership is not None and formation.replanner
-        formation.takeover = None
-        missing = sorted(takeover.expected - set(takeover.peers.values()))
-        change = f"the coordinator {takeover.lost} lost; {len(takeover.peers)} node(s) go on"
-        if missing:
-            change += f" ({', '.join(missing[:10])} did not ask within the wait: lost too)"
-        ranks = sum(len(join.ranks) for join in formation.joins.values())
-        if ranks < membership.min_world_size:
-            self._abort_all(formation, ErrorCode.RANK_LOST,
-                            f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
-                            f"{membership.min_world_size}")
-            return
-        formation.replanner.version = takeover.plan  # its plans come after those in force
-        reform = membership.begin(change, time.monotonic())
-        reform.states = dict(takeover.states)
-        resume = self._resume(formation)
-        if resume is not None:
-            # Rounds reported to the lost coordinator are gone: every node reports from the
-            # round after the one it resumes in.
-            for node in formation.joins:
-                formation.first_round[node] = resume // REPORT_EVERY + 1
-
-    def _lose_ranks(self, formation: Formation, node: bytes, fault: PeerFault) -> None:
-        """Some ranks of a node are gone, its others live: the node stays with the others."""
-        membership = formation.membership
-        assert membership is not None
-        join = formation.joins[node]
-        lost = sorted(set(fault.lost_ranks) & set(join.ranks))  # only its own ranks
-        if not lost:
-            return
-        why = fault.message[:300]
-        left = [rank for rank in join.ranks if rank not in lost]
-        if not left:
-            self._lose(formation, [node], why)
-            return
-        formation.forget(join)
-        formation.add(node, msgspec.structs.replace(join, ranks=left))
-        change = f"rank(s) {lost} on node {join.host} lost: {why}"
-        ranks = sum(len(j.ranks) for j in formation.joins.values())
-        if ranks < membership.min_world_size:
-            self._abort_all(formation, ErrorCode.RANK_LOST,
-                            f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
-                            f"{membership.min_world_size}")
-            return
-        self._reform(formation, change)
-
-    def _on_reform_state(self, node: bytes, state: PeerReformState) -> None:
-        formation = self._jobs.get(state.job)
-        if formation is None or formation.membership is None or node not in formation.joins:
-            return
-        formation.watch.heard(node, time.monotonic())
-        if formation.membership.answer(node, state) \
-                and formation.membership.complete(formation.joins):
-            self._resume(formation)
-
-    def _resume(self, formation: Formation) -> int | None:
-        """Every survivor answered: the new epoch's places, and the iteration it resumes at
-        (None: the answers failed the job)."""
-        membership = formation.membership
-        assert membership is not None
-        reform, resume = membership.finish()
-        if isinstance(resume, str):
-            self._abort_all(formation, ErrorCode.INVALID, f"the reform failed: {resume}")
-            return None
-        order = survivors_order(formation.joins)
-        members = sorted(rank for join in formation.joins.values() for rank in join.ranks)
-        store_port = formation.store_port if len(order) > 1 else 0
-        prefix = secrets.token_hex(16)  # a new group under new keys: the old one is abandoned
-        if formation.replanner is not None:
-            formation.replanner.resize(len(order))
-        joiners, formation.joining = formation.joining, set()
-        source = min((rank for node, join in formation.joins.items() if node not in joiners
-                      for rank in join.ranks), default=-1)
-        expect = sorted(round_number * REPORT_EVERY + DECISION_LAG
-                        for round_number in {*formation.reports, *formation.deciding}
-                        if round_number * REPORT_EVERY + DECISION_LAG >= resume)
-        for index, node in enumerate(order):
-            self._send(node, PeerResume(
-                job=formation.job, epoch=reform.epoch, node_index=index, nodes=len(order),
-                store_port=store_port, store_prefix=prefix, members=members,
-                iteration=resume, change=reform.change,
-                expect=expect if node in joiners else [], source=source,
-                roster=_roster([(n, formation.joins[n]) for n in order])))
-            if node in joiners:
-                # It reports from the round its first iteration is in; it runs the plans
-                # in force from there, as the others do.
-                formation.first_round[node] = resume // REPORT_EVERY + 1
-                for plan in _plans_from(formation.plans, resume):
-                    self._send(node, plan)
-        log.warning("job %s: epoch %d resumes at iteration %d with %d node(s), %d rank(s)",
-                    formation.job, reform.epoch, resume, len(order), len(members))
-        return resume
-
     def close(self) -> None:
         """Stop the planner thread; a plan being decided is dropped."""
         if self._planner is not None:
@@ -685,33 +411,3 @@ class Coordinator:
             membership_changes=f.membership.history if f.membership else [])
             for f in self._jobs.values()]
 
-
-def _admission_problem(formation: Formation, node: bytes, join: PeerJoin) -> str:
-    """'' when ``join`` may join the running ``formation``, else why not."""
-    if node in formation.joins:
-        return "this node is in the job already; start the new rank on another node"
-    if join.world_size != formation.world_size:
-        return (f"ranks {join.ranks[:20]} say world size {join.world_size}, the running job "
-                f"has {formation.world_size}")
-    taken = sorted(rank for rank in join.ranks if rank in formation.rank_hosts)
-    if taken:
-        return (f"rank(s) {taken[:20]} are in the running job already (on "
-                f"{formation.rank_hosts[taken[0]]}); a replacement takes a lost rank's place")
-    first = formation.lowest
-    assert first is not None
-    difference = describe_difference(first, join)
-    if difference:
-        return f"ranks {join.ranks[:20]} differ from the running job: {difference}"
-    return ""
-
-
-def _plans_from(plans: list[PeerPlan], iteration: int) -> list[PeerPlan]:
-    """The decisions a joiner at ``iteration`` needs: the one in force there and any later."""
-    in_force = [plan for plan in plans if plan.effective_iteration <= iteration]
-    later = [plan for plan in plans if plan.effective_iteration > iteration]
-    return in_force[-1:] + later
-
-
-def _roster(order: list[tuple[bytes, PeerJoin]]) -> list[RosterEntry]:
-    """The nodes of an epoch, for each node to find the next coordinator if this one is lost."""
-    return [RosterEntry(peer=join.peer, ranks=list(join.ranks)) for _, join in order]
