@@ -22,11 +22,10 @@ Systems (``--systems``), each run alternately with the others, ``--repeats`` tim
   is no daemon to kill or stop);
 - ``torchft``: torchft 0.2.0, 3 replica groups × 1 rank, min_replica_size 2, its Lighthouse
   in this process with ``--torchft-join-timeout-ms`` and ``--torchft-heartbeat-timeout-ms``;
-  ``rank`` only. Its stock DDP comm
-  hook fails ``assert fut._fut`` when a kill lands inside an all-reduce, so by default the
-  bench uses a copy that returns the local buffer on error (the step is then not committed;
-  ``--torchft-hook stock`` runs the stock one). torchft is not a dependency of commd; install
-  it into the venv with
+  ``rank`` only. Its stock DDP comm hook fails ``assert fut._fut`` when a kill lands inside
+  an all-reduce, so by default the bench uses a copy that returns the local buffer on error
+  (the step is then not committed; ``--torchft-hook stock`` runs the stock one). torchft is
+  not a dependency of commd; install it into the venv with
 
       .venv/bin/pip install --no-deps torchft==0.2.0
       .venv/bin/pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
@@ -45,12 +44,19 @@ Per system and fault (the worst survivor; the median over the repeats):
   membership change (a failed collective, a rank's exit, a silent daemon) and to the log line
   that names the victim's node lost.
 
-Whether the replicas end bit-identical is checked too. Replacement of the lost node
-(``--rejoin``) is not available in commd yet.
+With ``--rejoin-at`` (commd), a replacement rank 2 (started after the fault, on its node's
+daemon where that lives, else on a fresh one) calls DistributedDataParallel(...) once the
+survivors have done that many steps; it takes a live peer's parameters and optimizer state
+(``ddp.register_state``) and trains from ``ddp.joined_at_step``. Reported: the seconds inside
+its DistributedDataParallel(...), from that call to its first completed step, and the
+survivors' pause at the join. Whether the replicas (the replacement too) end bit-identical
+is checked too.
 
-    .venv/bin/python bench/elastic.py                     # the committed result
-    .venv/bin/python bench/elastic.py --systems commd --faults rank --steps 40 --kill-at 10 \
---json /tmp/elastic.json
+    .venv/bin/python bench/elastic.py                      # the committed result
+    .venv/bin/python bench/elastic.py --systems commd --faults rank --json /tmp/elastic.json
+    .venv/bin/python bench/elastic.py --steps 40 --kill-at 10 --rejoin-at 0 --json /tmp/e.json
+
+(``--json`` elsewhere: runs that are not the committed result do not replace it.)
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -110,15 +117,18 @@ def read_records(path: Path) -> list[Record]:
     return records
 
 
-def measure(records: Sequence[Record], struck: float) -> dict[str, Any]:
+def measure(records: Sequence[Record], struck: float, until: float = math.inf
+            ) -> dict[str, Any]:
     """One survivor's cost of a fault that struck at ``struck`` (monotonic s): the stall, the
     time to its next new step, the steps lost (see the module's help) and the steps it reached
-    (its last committed step + 1)."""
+    (its last committed step + 1). The stall is looked for before ``until``: a replacement's
+    join, which pauses the survivors too, is measured apart."""
     if len(records) < 3:
         raise ValueError(f"{len(records)} steps completed: too few to measure a stall")
     gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(records)]
     median = statistics.median(gaps)
-    after = [gap for gap, later in zip(gaps, records[1:], strict=True) if later.at >= struck]
+    after = [gap for gap, later in zip(gaps, records[1:], strict=True)
+             if struck <= later.at < until]
     done: set[int] = set()
     # steps a replica skipped by taking a live peer's state (torchft's healing of a late
     # starter) are not lost: the job did them
@@ -136,6 +146,25 @@ def measure(records: Sequence[Record], struck: float) -> dict[str, Any]:
             "stall_s": max(0.0, max(after) - median) if after else None,
             "to_new_step_s": None if first_new is None else first_new - struck,
             "steps_lost": lost, "steps_done": max(done, default=-1) + 1}
+
+
+def join_pause(records: Sequence[Record], go: float) -> float | None:
+    """A survivor's longest gap between steps from the replacement's go on, less its median
+    step: the pause the join cost it (None when it did no step after it)."""
+    gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(records)]
+    after = [gap for gap, later in zip(gaps, records[1:], strict=True) if later.at >= go]
+    return max(0.0, max(after) - statistics.median(gaps)) if after else None
+
+
+def joined(records: Sequence[Record], final: dict[str, Any]) -> dict[str, Any]:
+    """The replacement's own figures: the seconds inside its DistributedDataParallel(...)
+    (the live peer's state included), from that call to its first completed step, and the
+    step it joined at."""
+    started = final["ddp_started"]
+    first = next((r.at for r in records if r.at > started), None)
+    return {"joined_at_step": final["joined_at_step"],
+            "join_ddp_s": final["ddp_returned"] - started,
+            "join_first_step_s": None if first is None else first - started}
 
 
 def worst(per_survivor: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -184,6 +213,7 @@ class Run:
     workdir: Path
     struck: float = 0.0
     struck_wall: float = 0.0
+    go: float = math.inf  # when the replacement was let in (monotonic s)
 
     def spec(self, rank: int, **extra: Any) -> dict[str, Any]:
         return {"rank": rank, "world_size": WORLD, "steps": self.args.steps, "seed": 0,
@@ -216,14 +246,36 @@ class Run:
             self.struck, self.struck_wall = time.monotonic(), time.time()
         os.kill(pid, signal_number)
 
-    def outcome(self, survivors: Sequence[int]) -> dict[str, Any]:
-        per = [measure(read_records(self.progress(rank)), self.struck) for rank in survivors]
+    def outcome(self, survivors: Sequence[int], ends: Sequence[int] = ()) -> dict[str, Any]:
+        """The survivors' costs; whether they (and ``ends``, more ranks that trained to the
+        end) end with identical parameters."""
+        records = {rank: read_records(self.progress(rank)) for rank in survivors}
+        per = [measure(records[rank], self.struck, self.go) for rank in survivors]
         finals = [json.loads((self.workdir / f"rank{rank}.json").read_text())
-                  for rank in survivors]
-        return {**worst(per), "per_survivor": per,
-                "agree": len({final["digest"] for final in finals}) == 1,
-                "finals": [{k: v for k, v in final.items() if k != "digest"}
-                           for final in finals]}
+                  for rank in (*survivors, *ends)]
+        result = {**worst(per), "per_survivor": per,
+                  "agree": len({final["digest"] for final in finals}) == 1,
+                  "finals": [{k: v for k, v in final.items() if k != "digest"}
+                             for final in finals]}
+        if self.go < math.inf:
+            pauses = [p for p in (join_pause(records[rank], self.go) for rank in survivors)
+                      if p is not None]
+            result["join_pause_s"] = max(pauses) if pauses else None
+        return result
+
+    def await_join(self, processes: Sequence[subprocess.Popen[Any]]) -> None:
+        """Until the replacement has its imports done and rank 0 has completed
+        ``--rejoin-at`` steps (files polled with a deadline)."""
+        deadline = time.monotonic() + self.args.timeout
+        ready, log = self.workdir / "joiner-ready", self.progress(0)
+        while not (ready.exists() and log.read_bytes().count(b"\n") >= self.args.rejoin_at):
+            for process in processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"a process exited (code {process.returncode}) before "
+                                       f"the replacement joined")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replacement joined by step {self.args.rejoin_at}")
+            time.sleep(0.001)  # polling files, with a deadline
 
 
 def run_commd(run: Run) -> dict[str, Any]:
@@ -251,12 +303,17 @@ def run_commd(run: Run) -> dict[str, Any]:
         else:
             run.strike(signal.SIGSTOP, daemon_pid)
         survivors = [rank for rank in range(WORLD) if rank != VICTIM]
-        finished = finish([processes[rank] for rank in survivors], args.timeout)
+        waited = [processes[rank] for rank in survivors]
+        if args.rejoin_at:
+            waited.append(replace(run, daemons, job, env, processes))
+        finished = finish(waited, args.timeout)
         for done in finished:
             if done.returncode != 0:
-                raise RuntimeError(f"survivor pid {done.pid} exited {done.returncode}:\n"
+                raise RuntimeError(f"pid {done.pid} exited {done.returncode}:\n"
                                    f"{done.stderr[-2000:]}")
-        result = run.outcome(survivors)
+        result = run.outcome(survivors, [VICTIM] if args.rejoin_at else [])
+        if args.rejoin_at:
+            result |= joined(read_records(run.progress(VICTIM)), result["finals"][-1])
         logs = [daemon.log() for daemon in daemons[:VICTIM]]
         for key, pattern in DAEMON_LINES.items():
             found = first_line_wall(logs, pattern)
@@ -268,6 +325,27 @@ def run_commd(run: Run) -> dict[str, Any]:
             if daemon.process.poll() is None:
                 os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
             daemon.stop()
+
+
+def replace(run: Run, daemons: list[LocalDaemon], job: str, env: dict[str, str],
+            processes: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    """A replacement rank 2, started now so that its imports are done by ``--rejoin-at``
+    and let in then (or when they are done, if later): on its node's daemon where that
+    lives, else on a fresh daemon."""
+    if run.fault == "rank":
+        daemon = daemons[VICTIM]
+    else:
+        daemon = LocalDaemon(run.workdir, "d3", "--backend", "gloo", "--peer-timeout-s",
+                             str(run.args.peer_timeout_s))
+        daemons.append(daemon)
+    spec = run.spec(VICTIM, job=job, coordinator=daemons[0].address, socket=daemon.socket,
+                    joiner=True)
+    joiner = start_json_worker([sys.executable, WORKER, "commd"], spec, env=env)
+    processes.append(joiner)
+    run.await_join([*processes[:VICTIM], joiner])
+    run.go = time.monotonic()
+    (run.workdir / "go").touch()
+    return joiner
 
 
 def run_torch(run: Run) -> dict[str, Any]:
@@ -383,6 +461,9 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "stall_s": median("stall_s"), "to_new_step_s": median("to_new_step_s"),
             "detection_s": median("detection_s"), "declared_lost_s": median("declared_lost_s"),
             "median_step_s": median("median_step_s"),
+            "join_ddp_s": median("join_ddp_s"), "join_first_step_s": median("join_first_step_s"),
+            "join_pause_s": median("join_pause_s"),
+            "joined_at_step": [r["joined_at_step"] for r in good if "joined_at_step" in r],
             "steps_lost": max((r["steps_lost"] for r in good), default=None),
             "agree": all(r["agree"] for r in good) if good else None,
             "repeats": len(good), "errors": len(runs_of) - len(good)}
@@ -416,6 +497,17 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
                          f"| {cell(row['to_new_step_s'])} | {row['steps_lost']} | "
                          f"{cell(row['detection_s'])} | {cell(row['declared_lost_s'])} | "
                          f"{'yes' if row['agree'] else 'NO'} |")
+    commd = summary.get("commd", {})
+    joins = [(fault, commd[fault]) for fault in FAULTS
+             if fault in commd and commd[fault]["join_ddp_s"] is not None]
+    if joins:
+        lines += ["", "| commd: the replacement after | its DistributedDataParallel(...) (s) | "
+                  "from that call to its first step (s) | survivors paused (s) | joined at "
+                  "step |", "|---|---|---|---|---|"]
+        for fault, row in joins:
+            lines.append(f"| {FAULT_LABELS[fault]} | {cell(row['join_ddp_s'])} | "
+                         f"{cell(row['join_first_step_s'])} | {cell(row['join_pause_s'])} | "
+                         f"{', '.join(map(str, row['joined_at_step']))} |")
     return "\n".join(lines)
 
 
@@ -439,7 +531,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default=",".join(FAULTS),
                    help=f"comma-separated, from {', '.join(FAULTS)} (default all; the "
                         f"baselines run rank only)")
-    p.add_argument("--steps", type=int, default=300, help="steps of training (default 300)")
+    p.add_argument("--steps", type=int, default=500,
+                   help="steps of training (default 500: the survivors must still train when "
+                        "the replacement's join completes)")
     p.add_argument("--kill-at", type=int, default=100,
                    help="the step (0-based) inside which the fault strikes rank 2 "
                         "(default 100)")
@@ -464,8 +558,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--timeout", type=float, default=180.0,
                    help="seconds one run may take before it is killed (default 180)")
-    p.add_argument("--rejoin", action="store_true",
-                   help="bring a replacement of the lost node back (not available yet)")
+    p.add_argument("--rejoin-at", type=int, default=200,
+                   help="commd: a replacement rank 2 joins once the survivors have done this "
+                        "many steps, taking a live peer's state (default 200; 0: none)")
     p.add_argument("--json", default=DEFAULT_JSON, metavar="PATH",
                    help=f"where the results and provenance go (default {DEFAULT_JSON}); '' for "
                         f"none")
@@ -475,8 +570,6 @@ def parser() -> argparse.ArgumentParser:
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The systems and faults; a usage error (exit 2) naming a bad option."""
-    if args.rejoin:
-        p.error("--rejoin: a replacement rejoining the job is not available in commd yet")
     try:
         systems = names(args.systems, SYSTEMS, "--systems")
         faults = names(args.faults, FAULTS, "--faults")
@@ -486,6 +579,9 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[st
         p.error("--steps must be between 3 and 1000000")
     if not 1 <= args.kill_at <= args.steps - 2:
         p.error(f"--kill-at must be between 1 and --steps - 2 ({args.steps - 2})")
+    if args.rejoin_at and not args.kill_at < args.rejoin_at < args.steps:
+        p.error(f"--rejoin-at must be 0 or between --kill-at and --steps ({args.kill_at} < "
+                f"N < {args.steps})")
     if args.repeats < 1 or args.batch < 1 or args.threads < 1 or args.checkpoint_every < 1:
         p.error("--repeats, --batch, --threads and --checkpoint-every must be at least 1")
     if not 0.1 <= args.peer_timeout_s <= 600:
@@ -497,6 +593,15 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[st
     if not args.timeout > 0:
         p.error("--timeout must be positive")
     return systems, faults
+
+
+def join_words(outcome: dict[str, Any]) -> str:
+    if "join_ddp_s" not in outcome:
+        return ""
+    first = outcome["join_first_step_s"]
+    return (f"; the replacement joined at step {outcome['joined_at_step']}, "
+            f"{outcome['join_ddp_s']:.2f} s in DistributedDataParallel(...), its first step "
+            f"{'-' if first is None else f'{first:.2f}'} s after that call")
 
 
 def save(path: str, result: dict[str, Any]) -> None:
@@ -522,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "provenance": provenance(command),
         "settings": {"nodes": WORLD, "ranks_per_node": 1, "victim_rank": VICTIM,
-                     "steps": args.steps, "kill_at": args.kill_at, "repeats": args.repeats,
+                     "steps": args.steps, "kill_at": args.kill_at,
+                     "rejoin_at": args.rejoin_at, "repeats": args.repeats,
                      "batch": args.batch, "checkpoint_every": args.checkpoint_every,
                      "peer_timeout_s": args.peer_timeout_s,
                      "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
@@ -546,8 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"  #{repeat + 1} {system} {fault}: stalled {outcome['stall_s']:.2f} s, next "
                   f"new step {outcome['to_new_step_s']:.2f} s after the fault, "
-                  f"{outcome['steps_lost']} steps lost, replicas identical {outcome['agree']} "
-                  f"({time.monotonic() - started:.0f} s)", flush=True)
+                  f"{outcome['steps_lost']} steps lost, replicas identical {outcome['agree']}"
+                  f"{join_words(outcome)} ({time.monotonic() - started:.0f} s)", flush=True)
         save(args.json, result)  # after every run, so a later failure keeps the earlier ones
     save(args.json, result)  # also when nothing ran: what was skipped, and why
     print(f"\n{table(result['summary'])}\n\ncommand: {result['provenance']['command']}")

@@ -117,19 +117,31 @@ def run_commd(spec: dict[str, Any]) -> None:
     from commd_client.torch import DistributedDataParallel
 
     rank = spec["rank"]
+    directory = Path(spec["progress_dir"])
+    if spec.get("joiner"):
+        # a replacement started early (imports are slow on a busy machine): it says it is
+        # ready and joins when the bench says so, at --rejoin-at
+        (directory / "joiner-ready").touch()
+        await_file(directory / "go", spec["timeout"])
     progress = Progress(spec["progress_dir"], rank)
     module = build_model(spec["seed"])
-    victim = victim_of(spec, rank, module)
+    victim = None if spec.get("joiner") else victim_of(spec, rank, module)
+    started = time.monotonic()
     model = DistributedDataParallel(module, job=spec["job"], rank=rank,
                                     world_size=spec["world_size"], local_rank=0,
                                     local_world_size=1, coordinator=spec["coordinator"],
                                     socket=spec["socket"], timeout=spec["timeout"])
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
-    for step in range(spec["steps"]):
+    # every rank: a replacement takes the momentum from a live peer with the parameters
+    model.register_state("optimizer", optimizer)
+    returned = time.monotonic()
+    for step in range(model.joined_at_step, spec["steps"]):
         train_step(model, optimizer, rank, step, spec["batch"], victim)
         optimizer.step()
         progress.step(step)
-    progress.finish(module, world_size=model.world_size, members=list(model.members))
+    progress.finish(module, world_size=model.world_size, members=list(model.members),
+                    joined_at_step=model.joined_at_step, ddp_started=started,
+                    ddp_returned=returned)
     model.close()
 
 
@@ -240,14 +252,19 @@ def run_torchft(spec: dict[str, Any]) -> None:
     manager.shutdown(wait=False)
 
 
+def await_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.002)  # polling a file, with a deadline
+
+
 def barrier(directory: Path, rank: int, world_size: int, timeout: float) -> None:
     """Until every rank has reached this point (a file each), or fail after ``timeout``."""
     (directory / f"ready{rank}").touch()
-    deadline = time.monotonic() + timeout
-    while not all((directory / f"ready{other}").exists() for other in range(world_size)):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"rank {rank}: the other replicas never started")
-        time.sleep(0.005)  # polling files, with a deadline
+    for other in range(world_size):
+        await_file(directory / f"ready{other}", timeout)
 
 
 SYSTEMS = {"commd": run_commd, "torch": run_torch, "torchft": run_torchft}

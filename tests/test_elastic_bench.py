@@ -60,6 +60,21 @@ def test_steps_skipped_by_taking_a_peers_state_are_not_lost() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_replacements_join_is_measured_apart_from_the_fault() -> None:
+    # the fault's 1 s gap before step 10, the join's 3 s gap before step 20
+    records = (steps(list(range(10))) + steps(list(range(10, 20)), start=1.09)
+               + steps(list(range(20, 30)), start=1.18 + 3.0))
+    go = 1.2
+    cost = bench.measure(records, struck=0.095, until=go)
+    assert cost["stall_s"] == pytest.approx(1.0 - 0.01)
+    assert bench.join_pause(records, go) == pytest.approx(3.0 - 0.01)
+    final = {"joined_at_step": 20, "ddp_started": go, "ddp_returned": 4.0}
+    joined = bench.joined(records, final)
+    assert joined == {"joined_at_step": 20, "join_ddp_s": pytest.approx(2.8),
+                      "join_first_step_s": pytest.approx(1.18 + 3.0 - go)}
+
+
+@pytest.mark.timeout(10)
 def test_too_few_steps_are_refused() -> None:
     with pytest.raises(ValueError, match="too few"):
         bench.measure(steps([0, 1]), struck=0.0)
@@ -102,18 +117,27 @@ def check_result(result: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_commd_loses_no_step_when_a_rank_dies_mid_step(tmp_path: Path) -> None:
+def test_commd_loses_no_step_when_a_rank_dies_mid_step_and_takes_a_replacement(
+        tmp_path: Path) -> None:
     out = tmp_path / "elastic.json"
-    code = bench.main(["--systems", "commd", "--faults", "rank", "--steps", "12", "--kill-at",
-                       "4", "--repeats", "1", "--timeout", "120", "--json", str(out)])
+    # the survivors train on for a few seconds after the replacement is let in: its join
+    # must complete while they do
+    code = bench.main(["--systems", "commd", "--faults", "rank", "--steps", "600", "--kill-at",
+                       "4", "--rejoin-at", "8", "--repeats", "1", "--timeout", "120",
+                       "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     check_result(result)
     [run] = result["runs"]
     assert (run["system"], run["fault"], run["steps_lost"]) == ("commd", "rank", 0)
     assert len(run["per_survivor"]) == 2
-    assert all(final["world_size"] == 2 and final["members"] == [0, 1]
+    # both survivors and the replacement end in the same world, bit-identical
+    assert run["agree"] is True and len(run["finals"]) == 3
+    assert all(final["world_size"] == 3 and final["members"] == [0, 1, 2]
                for final in run["finals"])
+    assert run["joined_at_step"] >= 8 and run["finals"][-1]["joined_at_step"] >= 8
+    assert 0 < run["join_ddp_s"] <= run["join_first_step_s"]
+    assert run["join_pause_s"] is not None
     # the daemons saw the loss after the kill
     assert run["detection_s"] is not None and run["detection_s"] >= 0
     assert result["summary"]["commd"]["rank"]["steps_lost"] == 0
@@ -139,7 +163,7 @@ def test_the_committed_result() -> None:
     result = json.loads(COMMITTED.read_text())
     check_result(result)
     settings = result["settings"]
-    assert (settings["steps"], settings["kill_at"]) == (300, 100)
+    assert (settings["steps"], settings["kill_at"], settings["rejoin_at"]) == (500, 100, 200)
     summary = result["summary"]
     assert set(summary["commd"]) == set(bench.FAULTS)
     for fault, row in summary["commd"].items():
@@ -152,6 +176,11 @@ def test_the_committed_result() -> None:
     assert summary["commd"]["rank"]["stall_s"] < torch["stall_s"]
     # a silent node costs about the daemons' peer timeout, no less
     assert summary["commd"]["stop"]["declared_lost_s"] >= settings["peer_timeout_s"]
+    # after every fault a replacement joined, and all three replicas ended identical
+    for run in (r for r in result["runs"] if r["system"] == "commd"):
+        assert run["joined_at_step"] >= settings["rejoin_at"]
+        assert run["agree"] is True and len(run["finals"]) == 3
+        assert run["join_ddp_s"] > 0 and run["join_first_step_s"] >= run["join_ddp_s"]
     if "torchft" in result["skipped"]:
         assert "not installed" in result["skipped"]["torchft"]
     else:
@@ -167,7 +196,9 @@ def test_the_committed_result() -> None:
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--rejoin"], "not available in commd yet"),
+    (["--rejoin-at", "50"], "--rejoin-at must be 0 or between --kill-at and --steps"),
+    (["--rejoin-at", "500"], "--rejoin-at must be 0 or between --kill-at and --steps"),
+    (["--rejoin-at", "-5"], "--rejoin-at must be 0 or between"),
     (["--faults", "meteor"], "--faults 'meteor': use rank, daemon, stop"),
     (["--faults", ""], "--faults '': use rank, daemon, stop"),
     (["--systems", "commd,commd"], "names one twice"),
