@@ -3,13 +3,13 @@ daemon, a cut link): rank_worker's integer gradients averaged through the node's
 digest of every iteration's result with the membership it ran in, as tolerant_worker.py
 writes them, plus when and how it failed.
 
-The fault is injected from outside, in iteration ``hold_at``: before it, every rank of
-``hold_ranks`` (default: all) touches ``<progress_dir>/held-<rank>`` and waits for
-``<progress_dir>/go``; every other rank goes on, marks its layers, touches
-``<progress_dir>/marked-<rank>`` and waits for the result. The test waits for those files,
-injects the fault, then touches ``go``: the loss lands in iteration ``hold_at`` on every
-rank, whatever the machine's speed, either between two iterations (all held) or while the
-other ranks wait for the held ones.
+The fault is injected from outside at a hold (``holds``: a list of ``{"name", "at",
+"ranks"}``): before iteration ``at`` every rank of ``ranks`` touches
+``<progress_dir>/<name>-held-<rank>`` and waits for ``<progress_dir>/<name>-go``; every other
+rank goes on, marks its layers, touches ``<progress_dir>/<name>-marked-<rank>`` and waits
+for the result. The test waits for those files, injects the fault, then touches the ``go``
+file: the fault lands in that iteration on every rank, whatever the machine's speed, either
+between two iterations (all held) or while the other ranks wait for the held ones.
 
 The last line of stdout is JSON: ``digests``, ``epochs``, ``world_sizes``, ``members``; on a
 CommdError also ``error``, ``code``, ``error_type`` and ``error_at`` (``time.time()`` when
@@ -33,12 +33,13 @@ from commd_client import Client, CommdError
 from rank_worker import value
 
 
-def await_go(progress: Path, rank: int, timeout: float) -> None:
-    (progress / f"held-{rank}").touch()
+def await_go(progress: Path, name: str, rank: int, timeout: float) -> None:
+    (progress / f"{name}-held-{rank}").touch()
+    go = progress / f"{name}-go"
     deadline = time.monotonic() + timeout
-    while not (progress / "go").exists():
+    while not go.exists():
         if time.monotonic() > deadline:
-            raise SystemExit(f"{progress / 'go'} never appeared")
+            raise SystemExit(f"{go} never appeared")
         time.sleep(0.005)  # polling a condition, with a deadline
 
 
@@ -54,15 +55,17 @@ def main() -> None:
                     timeout=spec["timeout"], fault_tolerance="continue") as client:
             layers = [(name, size) for name, size in spec["layers"]]
             grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
-            held = rank in spec.get("hold_ranks", range(spec["world_size"]))
+            holds = {hold["at"]: hold for hold in spec["holds"]}
             for iteration in range(spec["iterations"]):
-                if iteration == spec["hold_at"] and held:
-                    await_go(progress, rank, spec["timeout"])
+                hold = holds.get(iteration)
+                held = hold is not None and rank in hold["ranks"]
+                if held and hold is not None:
+                    await_go(progress, hold["name"], rank, spec["timeout"])
                 for index, (_, size) in enumerate(layers):
                     grads[index][:] = value(rank, iteration, index, size)
                 client.ready(range(len(layers)))
-                if iteration == spec["hold_at"] and not held:
-                    (progress / f"marked-{rank}").touch()
+                if hold is not None and not held:
+                    (progress / f"{hold['name']}-marked-{rank}").touch()
                 client.wait()
                 out["digests"].append(digest(grads))
                 out["epochs"].append(client.epoch)
