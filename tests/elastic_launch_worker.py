@@ -1,6 +1,6 @@
 """examples/elastic_train.py as the launch tests run it: ``elastic_launch_worker.py HOLD_AT
-[example's options]``. The only addition: every rank but ``--crash-rank`` holds before step
-HOLD_AT until its daemon shows the crashed rank back in the job. A real model's steps take
+[example's options]``. The only addition: a rank that did not join late holds before step
+HOLD_AT until its daemon shows every rank of the job in it again. A real model's steps take
 long enough for a replacement to arrive while the job still trains; the example's tiny steps
 would let the survivors finish first, so the test holds them instead of guessing a pace.
 """
@@ -8,15 +8,17 @@ would let the survivors finish first, so the test holds them instead of guessing
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
-from rejoin_ddp_worker import hold_until_joined
-
+from commd.cli.status import query
 from commd_client.torch import DistributedDataParallel
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elastic_train.py"
+HOLD_TIMEOUT_S = 60.0
 
 
 def load_example() -> ModuleType:
@@ -28,14 +30,26 @@ def load_example() -> ModuleType:
     return module
 
 
+def hold_until_whole(world_size: int) -> None:
+    """Until this node's daemon lists every rank of the job among its members."""
+    job, socket = os.environ["COMMD_JOB"], os.environ["COMMD_SOCKET"]
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while True:
+        jobs = [entry for entry in query(socket)["jobs"] if entry["job"] == job]
+        if jobs and jobs[0]["members"] == list(range(world_size)):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the job never had all {world_size} ranks again")
+        time.sleep(0.02)  # polling a condition, with a deadline
+
+
 def main() -> None:
     hold_at, options = int(sys.argv[1]), sys.argv[2:]
     example = load_example()
-    crash_rank = example.parse_args(options).crash_rank
 
     def before_step(step: int, ddp: DistributedDataParallel) -> None:
-        if step == hold_at and ddp.endpoint.rank != crash_rank:
-            hold_until_joined({"joiner_rank": crash_rank})
+        if step == hold_at and not ddp.joined_at_step:
+            hold_until_whole(ddp.endpoint.world_size)
 
     example.main(options, before_step)
 
