@@ -154,8 +154,9 @@ def test_a_node_of_two_ranks_comes_back_whole(
 
 def test_plain_processes_with_a_restart_by_hand(nodes: list[LocalDaemon],
                                                 tmp_path: Path) -> None:
-    """The same script without torchrun: rank 2 crashes, and starting it again (same job,
-    same rank) brings it back into the running job."""
+    """The same script without torchrun, and the rank that crashes is rank 0 (the buffer
+    and state source of a fresh job; its daemon stays): starting it again by hand, same job
+    and rank, brings it back into the job that ranks 1 and 2 kept running."""
     job = f"elastic-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "crashed"
 
@@ -164,24 +165,26 @@ def test_plain_processes_with_a_restart_by_hand(nodes: list[LocalDaemon],
                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
         for name in ("COMMD_NODE_RANK", "COMMD_NNODES"):
             del env[name]
-        return subprocess.Popen([sys.executable, WORKER, str(HOLD_AT), *options(marker)],
+        return subprocess.Popen([sys.executable, WORKER, str(HOLD_AT),
+                                 *options(marker, crash_rank=0)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env)
 
     first = [start(rank) for rank in range(3)]
     running = list(first)
     try:
-        crashed = finish([first[CRASH_RANK]], 90.0)[0]
+        crashed = finish([first[0]], 90.0)[0]
         assert crashed.returncode == 1, crashed.stderr
         assert marker.exists(), crashed.stderr
-        running.append(start(CRASH_RANK))
-        outcome = finish([first[0], first[1], running[-1]], 90.0)
+        running.append(start(0))
+        outcome = finish([running[-1], first[1], first[2]], 90.0)
     finally:
         kill_all(running)
     output = "\n".join(f"--- rank {rank}\n{done.stdout}{done.stderr[-3000:]}"
                        for rank, done in enumerate(outcome))
     assert [done.returncode for done in outcome] == [0, 0, 0], output
-    check_outcome([line for done in outcome for line in summaries(done.stdout)], output)
+    check_outcome([line for done in outcome for line in summaries(done.stdout)], output,
+                  restarted=(0,))
 
 
 def load_example() -> ModuleType:
