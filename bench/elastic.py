@@ -121,14 +121,13 @@ def measure(records: Sequence[Record], struck: float, until: float = math.inf
             ) -> dict[str, Any]:
     """One survivor's cost of a fault that struck at ``struck`` (monotonic s): the stall, the
     time to its next new step, the steps lost (see the module's help) and the steps it reached
-    (its last committed step + 1). The stall is looked for before ``until``: a replacement's
-    join, which pauses the survivors too, is measured apart."""
+    (its last committed step + 1). The stall is looked for between the fault and the first
+    new step, and before ``until``: a replacement's join, which pauses the survivors too, is
+    measured apart."""
     if len(records) < 3:
         raise ValueError(f"{len(records)} steps completed: too few to measure a stall")
     gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(records)]
     median = statistics.median(gaps)
-    after = [gap for gap, later in zip(gaps, records[1:], strict=True)
-             if struck <= later.at < until]
     done: set[int] = set()
     # steps a replica skipped by taking a live peer's state (torchft's healing of a late
     # starter) are not lost: the job did them
@@ -142,6 +141,11 @@ def measure(records: Sequence[Record], struck: float, until: float = math.inf
         done.add(record.step)
         if first_new is None and record.at >= struck and record.step > high:
             first_new = record.at
+    # the stall is looked for from the fault to the first new step: a busy machine's later
+    # hiccups are not the fault's
+    end = until if first_new is None else min(first_new, until)
+    after = [gap for gap, later in zip(gaps, records[1:], strict=True)
+             if struck <= later.at <= end]
     return {"median_step_s": median,
             "stall_s": max(0.0, max(after) - median) if after else None,
             "to_new_step_s": None if first_new is None else first_new - struck,
@@ -606,6 +610,8 @@ def join_words(outcome: dict[str, Any]) -> str:
 
 def save(path: str, result: dict[str, Any]) -> None:
     result["summary"] = summarise(result["runs"])
+    # the machine may be shared: its load at the end beside the provenance's at the start
+    result["loadavg_end"] = list(os.getloadavg())
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=1) + "\n")

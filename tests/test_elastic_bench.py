@@ -34,6 +34,14 @@ def test_a_survivor_that_goes_on_loses_nothing_and_stalls_for_the_gap() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_hiccup_after_the_first_new_step_is_not_the_faults() -> None:
+    records = (steps(list(range(10))) + steps(list(range(10, 15)), start=0.59)
+               + steps(list(range(15, 20)), start=0.63 + 0.8))
+    cost = bench.measure(records, struck=0.095)
+    assert cost["stall_s"] == pytest.approx(0.5 - 0.01)  # not the 0.8 s gap before step 15
+
+
+@pytest.mark.timeout(10)
 def test_a_restart_from_a_checkpoint_counts_its_redone_steps_as_lost() -> None:
     # steps 0-14 done, checkpoint at 10, restart redoes 10-14 and goes on to 19
     records = steps(list(range(15))) + steps(list(range(10, 20)), start=0.14 + 4.0)
