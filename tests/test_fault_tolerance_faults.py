@@ -22,9 +22,9 @@ every iteration without an error, agree bit for bit and see members [0, 1].
   CommdError too (its node lost the coordinator), never trains on alone.
 
 The last two also run with ``--peer-timeout-s 7``, longer than a takeover's wait for the
-roster: there the cut-off node takes over coordination for itself (or a survivor's daemon
-does it for the woken node) and its rank trains on alone — a split brain, marked xfail
-(strict) with the diagnosis until a takeover needs a majority of the epoch's nodes.
+roster: there the cut-off (or woken) node asks the roster's next node to take over the
+coordination, and only finds itself: one node of three is no majority, so its rank gets a
+CommdError instead of training on alone beside the survivors (no split brain).
 """
 
 from __future__ import annotations
@@ -58,14 +58,6 @@ TOLD_WITHIN_S = 30.0  # the dropped node's rank hears of it well before its time
 # Longer than the ~5 s a daemon that takes over coordination waits for the roster's nodes,
 # shorter than the 10 s of silence after which a rank gives up on its stopped daemon.
 LONG_PEER_TIMEOUT_S = 7
-SPLIT_BRAIN = ("a node cut off from the survivors takes over the job's coordination for "
-               "itself (commd/job/epochs.py take_over asks the roster's next node, then "
-               "itself; nothing requires a majority of the epoch's nodes) or is taken over by "
-               "a survivor's daemon that still follows a live coordinator (Coordinator."
-               "_on_takeover accepts it), and after the takeover's wait it resumes alone: its "
-               "rank trains on as a one-rank job (epoch 1, members [2], no error) beside the "
-               "survivors; with --peer-timeout-s 3 the asking node's own 3 s of silence "
-               "ends it first")
 SURVIVORS = [0, 1]
 
 Hold = dict[str, Any]  # ft_fault_worker's {"name", "at", "ranks"}
@@ -206,7 +198,7 @@ def test_a_stopped_daemon_is_dropped(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("peer_timeout_s", [
     PEER_TIMEOUT_S,
-    pytest.param(LONG_PEER_TIMEOUT_S, marks=pytest.mark.xfail(strict=True, reason=SPLIT_BRAIN)),
+    LONG_PEER_TIMEOUT_S,
 ])
 def test_a_dropped_node_that_wakes_leaves_the_survivors_alone(tmp_path: Path,
                                                               peer_timeout_s: int) -> None:
@@ -239,8 +231,7 @@ def test_a_dropped_node_that_wakes_leaves_the_survivors_alone(tmp_path: Path,
 @pytest.mark.netns
 @pytest.mark.parametrize(("when", "peer_timeout_s"), [
     ("in_wait", PEER_TIMEOUT_S),
-    pytest.param("between", LONG_PEER_TIMEOUT_S,
-                 marks=pytest.mark.xfail(strict=True, reason=SPLIT_BRAIN)),
+    ("between", LONG_PEER_TIMEOUT_S),
 ])
 def test_a_cut_link_is_dropped(tmp_path: Path, when: str, peer_timeout_s: int) -> None:
     if os.geteuid() != 0:

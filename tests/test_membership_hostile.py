@@ -264,9 +264,13 @@ def test_reforms_that_deliver_go_on_for_as_long_as_faults_come() -> None:
 
 
 def test_a_node_that_never_answers_is_dropped_after_the_answer_deadline() -> None:
+    """A change that began with a crash (a peer closed its connections): a node that does not
+    answer within the deadline is dead, and the others go on without it."""
     coordinator, recorder = formed()
     began = time.monotonic()
     lose_c(coordinator, recorder)
+    coordinator.on_message(A, PeerFault(job=JOB, epoch=0, closed=True,
+                                        message="Read error: Connection reset by peer"))
     coordinator.on_message(A, state(4))
     coordinator.tick(began + REFORM_ANSWER_S / 2)  # before the deadline: B may still answer
     assert recorder.take() == []
@@ -286,6 +290,24 @@ def test_a_node_that_never_answers_is_dropped_after_the_answer_deadline() -> Non
     (change,) = coordinator.status()[0].membership_changes
     assert change.startswith("epoch 2: node 127.0.0.3 (ranks [2]) lost: rank 2 exited; node "
                              "127.0.0.2 (ranks [1]) lost"), change
+
+
+def test_silence_that_leaves_no_majority_stops_this_side() -> None:
+    """Without a crash seen, a node that does not answer may only be cut off, and on its side
+    of a split it may go on: with 1 of the epoch's 2 nodes left the job stops here, telling
+    the silent node too (it hears it when it is back)."""
+    coordinator, recorder = formed()
+    lose_c(coordinator, recorder)
+    coordinator.on_message(A, state(4))
+    coordinator.tick(time.monotonic() + REFORM_ANSWER_S + 0.5)
+    sent = recorder.take()
+    assert {node for node, _ in sent} == {A, B}
+    for _, message in sent:
+        assert isinstance(message, PeerAbort) and message.code == ErrorCode.RANK_LOST
+    told = dict(sent)
+    assert "this node was dropped from the job" in told[B].message
+    assert "not a majority" in told[A].message
+    assert coordinator.status() == []
 
 
 @pytest.mark.parametrize("min_world_size", [2, 3])

@@ -22,6 +22,8 @@ from commd_protocol import (
 
 pytestmark = pytest.mark.timeout(60)
 
+D, E = b"node-d", b"node-e"
+
 LOST = "10.0.0.1:29600"
 ROSTER = [RosterEntry(peer=LOST, ranks=[0]), RosterEntry(peer="10.0.0.2:29600", ranks=[1]),
           RosterEntry(peer="10.0.0.3:29600", ranks=[2])]
@@ -59,17 +61,36 @@ def test_the_roster_gathers_and_resumes_in_a_new_epoch() -> None:
 
 
 def test_a_node_that_does_not_ask_in_time_is_lost_with_the_coordinator() -> None:
+    """Five nodes; three ask (a majority of five), the fifth does not within the wait."""
+    roster = [*ROSTER, RosterEntry(peer="10.0.0.4:29600", ranks=[3]),
+              RosterEntry(peer="10.0.0.5:29600", ranks=[4])]
+    coordinator, recorder = successor()
+    for node, rank in ((B, 1), (C, 2), (D, 3)):
+        part = msgspec.structs.replace(join(rank, world_size=5),
+                                       peer=f"10.0.0.{rank + 1}:29600")
+        coordinator.on_message(node, takeover(rank, join=part, roster=roster))
+    coordinator.tick(10**6)  # long past TAKEOVER_WAIT_S
+    resumes = [m for _, m in recorder.take() if isinstance(m, PeerResume)]
+    assert [r.members for r in resumes] == [[1, 2, 3]] * 3
+    assert "10.0.0.5:29600 did not ask within the wait" in resumes[0].change
+    assert TAKEOVER_WAIT_S < 10**6
+    late = msgspec.structs.replace(join(4, world_size=5), peer="10.0.0.5:29600")
+    coordinator.on_message(E, takeover(4, join=late, roster=roster))  # refused, too late
+    (sent,) = recorder.take()
+    assert sent[0] == E and isinstance(sent[1], PeerAbort)
+    assert "taken over without this node" in sent[1].message
+
+
+def test_a_minority_cannot_take_over() -> None:
+    """One node of three asks: it may be the one cut off, with the coordinator alive and the
+    majority training on the other side, so it stops instead of training alone."""
     coordinator, recorder = successor()
     coordinator.on_message(B, takeover(1))
-    coordinator.tick(10**6)  # long past TAKEOVER_WAIT_S
-    (resume,) = [m for _, m in recorder.take() if isinstance(m, PeerResume)]
-    assert resume.members == [1] and resume.nodes == 1 and resume.store_port == 0
-    assert "10.0.0.3:29600 did not ask within the wait" in resume.change
-    assert TAKEOVER_WAIT_S < 10**6
-    coordinator.on_message(C, takeover(2))  # late: refused, the job goes on without it
+    coordinator.tick(10**6)
     (sent,) = recorder.take()
-    assert sent[0] == C and isinstance(sent[1], PeerAbort)
-    assert "taken over without this node" in sent[1].message
+    assert sent[0] == B and isinstance(sent[1], PeerAbort)
+    assert sent[1].code == ErrorCode.RANK_LOST and "not a majority" in sent[1].message
+    assert coordinator.status() == []
 
 
 @pytest.mark.parametrize(("changes", "words"), [

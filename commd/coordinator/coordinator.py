@@ -332,9 +332,12 @@ class Coordinator(TolerantCoordination):
                     self._take_over(formation)
                 continue
             if formation.membership is not None:
-                unanswered = formation.membership.unanswered(formation.joins, now)
+                membership = formation.membership
+                unanswered = membership.unanswered(formation.joins, now)
                 if unanswered:
-                    self._lose(formation, unanswered, "its daemon did not answer the reform")
+                    crash = membership.reform is not None and membership.reform.crash
+                    self._lose(formation, unanswered, "its daemon did not answer the reform",
+                               certain=crash)
             if self._jobs.get(formation.job) is not formation:
                 continue  # the loss ended it
             problem, code = self._overdue(formation, now)
@@ -357,7 +360,8 @@ class Coordinator(TolerantCoordination):
         silent = formation.watch.silent(joined, now, limits.peer_s)
         if silent and formation.membership is not None:
             self._lose(formation, formation.watch.silent_nodes(joined, now, limits.peer_s),
-                       f"its daemon has sent nothing for over {limits.peer_s:g}s")
+                       f"its daemon has sent nothing for over {limits.peer_s:g}s",
+                       certain=False)
             return "", ErrorCode.TIMEOUT
         if silent:
             return silent, ErrorCode.RANK_LOST

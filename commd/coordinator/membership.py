@@ -43,6 +43,7 @@ class Reform:
     change: str
     started: float
     states: dict[bytes, PeerReformState] = field(default_factory=dict)
+    crash: bool = False  # a peer closed its connections: a node that does not answer is dead
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Takeover:
     lost: str  # the lost coordinator's peer address
     expected: set[str]  # the roster's other nodes' peer addresses
     started: float
+    roster_nodes: int = 0  # the epoch's nodes, the lost coordinator's included if in it
     states: dict[bytes, PeerReformState] = field(default_factory=dict)
     peers: dict[bytes, str] = field(default_factory=dict)  # node -> its peer address
     plan: int = 0  # the highest plan version in force on a node
@@ -84,11 +86,12 @@ class Membership:
 
     def begin(self, change: str, now: float) -> Reform:
         """A new epoch starts; any change still in progress is folded into it."""
+        crash = False
         if self.reform is not None:
-            change = f"{self.reform.change}; {change}"
+            change, crash = f"{self.reform.change}; {change}", self.reform.crash
         self.epoch += 1
         self.fruitless += 1
-        self.reform = Reform(self.epoch, change, now)
+        self.reform = Reform(self.epoch, change, now, crash=crash)
         return self.reform
 
     def answer(self, node: bytes, state: PeerReformState) -> bool:

@@ -26,6 +26,7 @@ from commd.coordinator.replanner import Replanner
 from commd.coordinator.validation import JoinLimits, join_problem
 from commd_protocol import (
     ErrorCode,
+    PeerAbort,
     PeerFault,
     PeerJoin,
     PeerPlan,
@@ -65,12 +66,27 @@ class TolerantCoordination:
     def _forming_limit(self, node: bytes) -> str:
         raise NotImplementedError
 
-    def _lose(self, formation: Formation, nodes: list[bytes], why: str) -> None:
+    def _lose(self, formation: Formation, nodes: list[bytes], why: str, *,
+              certain: bool = True) -> None:
         """``nodes`` are gone from a tolerant job: the survivors move to a new epoch, or the
-        job fails when fewer than min_world_size ranks remain."""
+        job fails when fewer than min_world_size ranks remain.
+
+        ``certain``: the loss is known (a process exit its daemon saw, a node's own word, a
+        peer that closed its connections). Silence is not: a node cut off by the network
+        looks the same from here as a dead one, and it may go on with the nodes on its side
+        of the split. So a silent loss leaves the job running only where it keeps a strict
+        majority of its nodes; the other side cannot take over either (``_take_over``), and
+        no job ever trains as two."""
         membership = formation.membership
         assert membership is not None
         change = describe_nodes(formation.joins, nodes, why)
+        before = len(formation.joins)
+        for node in nodes:  # a silent node that is only cut off hears it when it is back
+            if not certain and node in formation.joins:
+                self._send(node, PeerAbort(
+                    job=formation.job, code=ErrorCode.RANK_LOST,
+                    message=f"commd: job {formation.job!r}: this node was dropped from the "
+                            f"job: {why}"))
         for node in nodes:
             join = formation.joins.pop(node, None)
             if join is not None:
@@ -88,6 +104,12 @@ class TolerantCoordination:
                                 f"{membership.min_world_size}")
             else:
                 del self._jobs[formation.job]
+            return
+        if not certain and 2 * len(formation.joins) <= before:
+            self._abort_all(formation, ErrorCode.RANK_LOST, (
+                f"{change}; {len(formation.joins)} of the epoch's {before} nodes remain "
+                "reachable, not a majority: silence cannot tell a crash from a network "
+                "split, and the other side may go on"))
             return
         self._reform(formation, change)
         for round_number in sorted(formation.reports):  # rounds that waited for the lost
@@ -117,10 +139,14 @@ class TolerantCoordination:
         if fault.lost_ranks:
             self._lose_ranks(formation, node, fault)
             return
+        if fault.closed and membership.reform is not None:
+            membership.reform.crash = True  # who does not answer this change is dead
         if membership.reform is not None or fault.epoch != membership.epoch:
             return  # the change in progress, or one already made, covers it
         host = formation.joins[node].host
         self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
+        if fault.closed and membership.reform is not None:
+            membership.reform.crash = True
 
     def _admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
         """A node asks to join a running tolerant job (a replacement, or more ranks): it is
@@ -163,7 +189,7 @@ class TolerantCoordination:
                                             itemsize=itemsize(join.dtype))
             formation.takeover = Takeover(message.lost,
                                           expected_peers(message.roster, message.lost),
-                                          time.monotonic())
+                                          time.monotonic(), roster_nodes=len(message.roster))
             log.warning("job %s: its coordinator %s is lost; coordinating it here",
                         message.job, message.lost)
         takeover = formation.takeover
@@ -188,6 +214,14 @@ class TolerantCoordination:
         assert takeover is not None and membership is not None and formation.replanner
         formation.takeover = None
         missing = sorted(takeover.expected - set(takeover.peers.values()))
+        if 2 * len(takeover.peers) <= takeover.roster_nodes:
+            # A minority cannot tell the coordinator's crash from its own cut-off: the
+            # majority may be training on the other side.
+            self._abort_all(formation, ErrorCode.RANK_LOST, (
+                f"the coordinator {takeover.lost} is silent and only {len(takeover.peers)} of "
+                f"the epoch's {takeover.roster_nodes} nodes could take over, not a majority: "
+                "this side cannot tell the coordinator's crash from its own cut-off"))
+            return
         change = f"the coordinator {takeover.lost} lost; {len(takeover.peers)} node(s) go on"
         if missing:
             change += f" ({', '.join(missing[:10])} did not ask within the wait: lost too)"

@@ -6,6 +6,7 @@ carries it out). Only jobs registered with ``fault_tolerance="continue"`` get he
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Protocol
 
@@ -38,6 +39,11 @@ log = logging.getLogger("commd.jobs")
 
 MAX_CHANGE_CHARS = 2000  # of the coordinator's words on a change, kept and passed on
 MAX_CHANGES_KEPT = 64
+# How Gloo words a peer whose process is gone (its connections reset or closed), as opposed
+# to one out of reach (a timeout): the coordinator may then take a node that does not answer
+# as dead, not as cut off (``TolerantCoordination._lose``).
+_PEER_CLOSED = re.compile(r"connection (reset|closed) by peer|broken pipe|end of file",
+                          re.IGNORECASE)
 
 
 class Tolerant(Protocol):
@@ -86,8 +92,10 @@ def on_collective_failure(job: Tolerant, problem: BaseException) -> None:
     _stop(job)
     log.warning("job %s: a collective failed in epoch %d (%s); waiting for the coordinator",
                 job.id, job.epochs.epoch, problem)
-    job.ctx.send_peer(job.coordinator, PeerFault(job=job.id, epoch=job.epochs.epoch,
-                                                 message=str(problem)[:MAX_CHANGE_CHARS]))
+    words = str(problem)
+    job.ctx.send_peer(job.coordinator, PeerFault(
+        job=job.id, epoch=job.epochs.epoch, message=words[:MAX_CHANGE_CHARS],
+        closed=_PEER_CLOSED.search(words) is not None))
 
 
 def on_local_loss(job: Tolerant, local_index: int, rank: int, why: str) -> None:

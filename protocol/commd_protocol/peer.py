@@ -228,6 +228,9 @@ class PeerFault(_Msg, tag="peer_fault"):
     job: str
     epoch: int
     message: str
+    # the collective failed because a peer closed its connections: its process is gone (a
+    # crash), not merely out of reach (a network split, where it would still be silent)
+    closed: bool = False
     # ranks of this node that are gone while its other ranks live (their process exited or
     # closed): the node goes on without them; [] when a collective failed
     lost_ranks: Annotated[list[int], msgspec.Meta(max_length=MAX_LOCAL_RANKS)] = \
