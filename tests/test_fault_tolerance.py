@@ -261,3 +261,34 @@ def test_the_coordinators_daemon_killed_the_next_node_takes_over(
         assert outcome[1]["digests"][iteration] == expected_digest(members, iteration)
     coordinating = daemon_status(nodes[1].socket)["coordinating"]
     assert coordinating == [] or coordinating[0]["epoch"] >= 1
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_two_nodes_survive_a_crashed_daemon(nodes: list[LocalDaemon], tmp_path: Path,
+                                            victim: int) -> None:
+    """Two nodes: one node is no majority, but a daemon that dies closes its connections, and
+    the survivor's collective says so: a crash, not a split. The survivor goes on alone,
+    also when the dead daemon was the coordinator (it takes over for itself)."""
+    pair = nodes[:2]
+    iterations, hold_at = 10, 4
+    hold = {"hold_at": hold_at, "hold_for": "killed"}
+    processes = start(pair, tmp_path, iterations, dict.fromkeys(range(2), hold))
+    progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+    survivor = 1 - victim
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = daemon_status(pair[survivor].socket)["jobs"]
+        if jobs and jobs[0]["iteration"] == hold_at:
+            break
+        assert time.monotonic() < deadline, "the job never reached the hold"
+        time.sleep(0.05)  # polling a condition, with a deadline
+    pair[victim].process.kill()
+    (progress / "killed").touch()
+    outcome = results(processes)
+    assert "error" in outcome[victim]
+    alone = outcome[survivor]
+    assert "error" not in alone, alone
+    assert alone["members"] == [survivor] and len(alone["digests"]) == iterations
+    for iteration in range(iterations):
+        members = [0, 1] if iteration < hold_at else [survivor]
+        assert alone["digests"][iteration] == expected_digest(members, iteration)

@@ -5,6 +5,8 @@ then resumes them in a new epoch; what does not fit is refused alone. The real
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from test_membership_hostile import JOB, B, C, Recorder, join
@@ -133,3 +135,17 @@ def test_takeovers_count_against_the_forming_limit() -> None:
                                                           join=part))
     refused = [m for _, m in recorder.take() if isinstance(m, PeerAbort)]
     assert len(refused) == 1 and refused[0].code == ErrorCode.LIMIT
+
+
+def test_one_of_two_takes_over_after_a_crash_it_saw() -> None:
+    """Two nodes: the survivor alone is no majority, but it saw the coordinator's connections
+    close (a crash, not a split), so it may go on; without that it may not."""
+    roster = ROSTER[:2]
+    for crash, resumed in ((True, True), (False, False)):
+        coordinator, recorder = successor()
+        part = msgspec.structs.replace(join(1, world_size=2), peer="10.0.0.2:29600")
+        coordinator.on_message(B, takeover(1, join=part, roster=roster, crash=crash))
+        if not resumed:  # it waits for more nodes than there are, then gives up
+            coordinator.tick(time.monotonic() + TAKEOVER_WAIT_S + 1)
+        sent = [m for _, m in recorder.take()]
+        assert [type(m) for m in sent] == [PeerResume if resumed else PeerAbort], crash

@@ -54,6 +54,7 @@ class Takeover:
     expected: set[str]  # the roster's other nodes' peer addresses
     started: float
     roster_nodes: int = 0  # the epoch's nodes, the lost coordinator's included if in it
+    crash: bool = True  # every node that asked saw a peer close its connections
     states: dict[bytes, PeerReformState] = field(default_factory=dict)
     peers: dict[bytes, str] = field(default_factory=dict)  # node -> its peer address
     plan: int = 0  # the highest plan version in force on a node
@@ -64,6 +65,15 @@ class Takeover:
                                             committing=message.committing)
         self.peers[node] = message.join.peer
         self.plan = max(self.plan, message.plan)
+        self.crash = self.crash and message.crash
+
+    @property
+    def decisive(self) -> bool:
+        """Whether those who asked may go on: a strict majority of the epoch's nodes, or every
+        other node of it, all having seen a crash (a process that died, not a split)."""
+        asked = len(self.peers)
+        return 2 * asked > self.roster_nodes or (
+            self.crash and self.expected <= set(self.peers.values()))
 
     def complete(self, now: float) -> bool:
         return self.expected <= set(self.peers.values()) or now - self.started > TAKEOVER_WAIT_S

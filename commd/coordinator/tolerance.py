@@ -214,7 +214,7 @@ class TolerantCoordination:
         assert takeover is not None and membership is not None and formation.replanner
         formation.takeover = None
         missing = sorted(takeover.expected - set(takeover.peers.values()))
-        if 2 * len(takeover.peers) <= takeover.roster_nodes:
+        if not takeover.decisive:
             # A minority cannot tell the coordinator's crash from its own cut-off: the
             # majority may be training on the other side.
             self._abort_all(formation, ErrorCode.RANK_LOST, (

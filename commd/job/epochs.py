@@ -93,9 +93,10 @@ def on_collective_failure(job: Tolerant, problem: BaseException) -> None:
     log.warning("job %s: a collective failed in epoch %d (%s); waiting for the coordinator",
                 job.id, job.epochs.epoch, problem)
     words = str(problem)
+    closed = _PEER_CLOSED.search(words) is not None
+    job.epochs.crash_seen = job.epochs.crash_seen or closed
     job.ctx.send_peer(job.coordinator, PeerFault(
-        job=job.id, epoch=job.epochs.epoch, message=words[:MAX_CHANGE_CHARS],
-        closed=_PEER_CLOSED.search(words) is not None))
+        job=job.id, epoch=job.epochs.epoch, message=words[:MAX_CHANGE_CHARS], closed=closed))
 
 
 def on_local_loss(job: Tolerant, local_index: int, rank: int, why: str) -> None:
@@ -246,7 +247,7 @@ def _enter(job: Tolerant, message: PeerResume, kind: str) -> None:
             if not member.left:
                 job.ctx.send_client(member.identity, notice)
     epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
-    epochs.roster, epochs.taking_over = message.roster, False
+    epochs.roster, epochs.taking_over, epochs.crash_seen = message.roster, False, False
     epochs.changes = [*epochs.changes,
                       (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]
     if job.ctx.on_membership_change is not None:
@@ -296,7 +297,7 @@ def take_over(job: TakingOver, problem: str) -> bool:
     job.ctx.send_peer(successor, PeerTakeover(
         job=job.id, epoch=max(epochs.epoch, epochs.stopping_for), delivered=delivered,
         committing=committing, join=job.join_request(), roster=epochs.roster, lost=lost,
-        plan=pipeline.plan.version if pipeline.plan else 0))
+        plan=pipeline.plan.version if pipeline.plan else 0, crash=epochs.crash_seen))
     return True
 
 

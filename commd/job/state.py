@@ -100,6 +100,7 @@ class Epochs:
     roster: list[RosterEntry] = field(default_factory=list)
     given_up: list[str] = field(default_factory=list)
     taking_over: bool = False
+    crash_seen: bool = False  # a peer closed its connections in this epoch (a process died)
     source: int = -1  # a joining node: the rank that gives its ranks the training state
 
     def members_of(self, epoch: int) -> list[int]:

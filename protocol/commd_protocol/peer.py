@@ -250,6 +250,9 @@ class PeerTakeover(_Msg, tag="peer_takeover"):
     roster: list[RosterEntry]  # its epoch's nodes
     lost: str  # the silent coordinator's peer address
     plan: int = 0  # the version of the plan in force on it
+    # a collective of this epoch failed on it because a peer closed its connections: a
+    # process died (a crash), where a network split would only have gone silent
+    crash: bool = False
 
 
 PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
