@@ -394,6 +394,7 @@ class Coordinator(TolerantCoordination):
             return
         if formation.membership is not None and node in formation.joins \
                 and len(formation.joins) > 1:
+            formation.membership.left_having_delivered(leave.delivered)
             # Its ranks closed while the others may still train: they go on without it.
             self._lose(formation, [node], "its ranks closed their clients")
             return

@@ -130,28 +130,34 @@ class Membership:
         assert reform is not None
         self.reform = None
         self.history = [*self.history, f"epoch {reform.epoch}: {reform.change}"][-MAX_HISTORY:]
-        resume = resume_iteration(list(reform.states.values()))
+        resume = resume_iteration(list(reform.states.values()), self.delivered)
         if isinstance(resume, int):
             if resume > self.delivered:
                 self.fruitless = 0
             self.delivered = max(self.delivered, resume)
         return reform, resume
 
+    def left_having_delivered(self, delivered: int) -> None:
+        """A node that left had delivered ``delivered`` iterations: the others have every
+        iteration before that whole (its commit needed them all), and deliver it."""
+        self.delivered = max(self.delivered, delivered)
+
     @property
     def exhausted(self) -> bool:
         return self.fruitless > MAX_FRUITLESS_REFORMS
 
 
-def resume_iteration(states: list[PeerReformState]) -> int | str:
+def resume_iteration(states: list[PeerReformState], known: int = 0) -> int | str:
     """The iteration every survivor runs next, from their answers; or why there is none.
 
-    ``D``, the most iterations any survivor delivered: the others stand at ``D - 1`` with
-    iteration ``D - 1`` whole and only its commit outstanding (they deliver it), or at ``D``.
+    ``D``, the most iterations any survivor delivered (or a node that left had, ``known``):
+    the others stand at ``D - 1`` with iteration ``D - 1`` whole and only its commit
+    outstanding (they deliver it), or at ``D``.
     """
     states = [state for state in states if not state.joining]  # joiners ran nothing yet
     if not states:
         return "no node of the running job answered"
-    most = max(state.delivered for state in states)
+    most = max(known, *(state.delivered for state in states))
     for state in states:
         if state.delivered == most or (state.delivered == most - 1 and state.committing):
             continue

@@ -129,6 +129,14 @@ class TolerantCoordination:
             self._send(node, PeerReform(job=formation.job, epoch=reform.epoch,
                                         change=reform.change))
 
+    def node_closed(self, node: bytes) -> None:
+        """``node``'s daemon closed its connection to us: it died (a split closes nothing).
+        Every tolerant job of it goes on without it, at once and for certain."""
+        for formation in list(self._jobs.values()):
+            if formation.membership is not None and formation.formed \
+                    and node in formation.joins and formation.takeover is None:
+                self._lose(formation, [node], "its daemon closed its connection (it stopped)")
+
     def _on_fault(self, node: bytes, fault: PeerFault) -> None:
         """A node's collective failed: unless a change already runs, reform the same nodes
         (a peer that vanished without a word is then found by its silence to the reform)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -100,6 +101,9 @@ class HandshakeWatch:
 
     def __init__(self) -> None:
         self.counts = HandshakeCounts()
+        # told the descriptor of every peer connection that closed (the daemon maps it to the
+        # node that sent on it: a peer daemon that died, for its tolerant jobs)
+        self.on_disconnect: Callable[[int], None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._watched: zmq.asyncio.Socket | None = None
@@ -126,7 +130,10 @@ class HandshakeWatch:
                 message = parse_monitor_message(frames)
             except (ValueError, TypeError, IndexError):  # never from libzmq; never fatal
                 continue
-            self.counts.on_event(int(message["event"]), int(message["value"]))
+            event, value = int(message["event"]), int(message["value"])
+            self.counts.on_event(event, value)
+            if event == zmq.EVENT_DISCONNECTED and self.on_disconnect is not None:
+                self.on_disconnect(value)
 
     @property
     def refused(self) -> dict[str, int]:

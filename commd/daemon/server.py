@@ -90,6 +90,8 @@ class Daemon:
             JoinLimits(max_layers=settings.max_layers, max_job_bytes=settings.max_job_bytes),
             plan_in_thread=True, while_planning=planning_aside)
         self._security = PeerSecurity()  # the cluster key and who may connect
+        self._security.handshakes.on_disconnect = self._peer_closed
+        self._peer_connections: dict[int, bytes] = {}  # descriptor -> the node sending on it
         self._metrics: Metrics | None = None  # --metrics-listen (docs/metrics.md)
         self._client_guard = Guard("client")
         self._peer_guard = Guard("peer")
@@ -253,14 +255,15 @@ class Daemon:
     async def _serve_peers(self) -> None:
         peers = self._peers
         assert peers is not None
-        await serve(self._peer_guard, lambda: peers.recv_multipart(copy=True),
+        await serve(self._peer_guard, lambda: peers.recv_multipart(copy=False),
                     self._on_peer_frames)
 
-    def _on_peer_frames(self, frames: list[bytes]) -> None:
+    def _on_peer_frames(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             self._peer_guard.refused("peer message of several frames", f"{len(frames)} frames")
             return
-        node, frame = frames
+        node, frame = frames[0].bytes, frames[1].bytes
+        self._note_connection(node, frames[1])
         if frame_tag(frame) in NOT_FOR_A_COORDINATOR:  # before the body is decoded
             self._peer_guard.refused("bad peer message (not for a coordinator)",
                                      f"{len(frame)} bytes")
@@ -271,6 +274,23 @@ class Daemon:
             self._peer_guard.refused(f"bad peer message ({exc.code})", exc)
             return
         self._coordinator.on_message(node, message)
+
+    def _note_connection(self, node: bytes, frame: zmq.Frame) -> None:
+        """Which TCP connection ``node`` sends on: its close (the peer daemon died) is then
+        known for whom (``_peer_closed``)."""
+        try:
+            descriptor = int(frame.get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return
+        if self._peer_connections.get(descriptor) != node:
+            self._peer_connections[descriptor] = node
+
+    def _peer_closed(self, descriptor: int) -> None:
+        """A peer daemon's connection closed: a process that exits closes its connections,
+        so the coordinator may take that node as crashed (a network split closes nothing)."""
+        node = self._peer_connections.pop(descriptor, None)
+        if node is not None and node not in self._peer_connections.values():
+            self._coordinator.node_closed(node)
 
     def _send_peer_reply(self, node: bytes, message: msgspec.Struct) -> None:
         if self._peers is not None:

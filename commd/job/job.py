@@ -330,7 +330,8 @@ class Job:
             return
         self._closed = True
         if self.state.active:
-            self.ctx.send_peer(self.coordinator, PeerLeave(job=self.id))
+            delivered = self.pipeline.iteration if self.pipeline is not None else -1
+            self.ctx.send_peer(self.coordinator, PeerLeave(job=self.id, delivered=delivered))
         if self.state is not JobState.FAILED:
             self.state = JobState.CLOSED
         self._release_engine()

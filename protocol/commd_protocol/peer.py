@@ -76,6 +76,9 @@ class PeerLeave(_Msg, tag="peer_leave"):
     """A node's ranks all said goodbye: the coordinator forgets the node's part of the job."""
 
     job: str
+    # iterations the node delivered to its ranks (-1: unknown): a tolerant job's others may
+    # still be committing the last of them, and must then deliver it, not run it again
+    delivered: int = -1
 
 
 class PeerProfile(_Msg, tag="peer_profile"):
