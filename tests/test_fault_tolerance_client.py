@@ -383,3 +383,24 @@ def test_one_standalone_launch_per_node_forms_one_job(start_daemon: Any, tmp_pat
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)], \
         [done.stderr for done in finished]
     assert all(r["sum"] == [3.0, 3.0, 3.0] for r in results)
+
+
+def test_a_process_group_under_one_torchrun_per_node_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under one torchrun --standalone per node a process group is the node's own: taking
+    the job from it would train each node alone, so the wrapper refuses, naming why."""
+    import torch
+    import torch.distributed as dist
+
+    from commd.testing.ports import free_port
+    from commd_client.torch import DistributedDataParallel
+
+    monkeypatch.setenv("COMMD_NNODES", "2")
+    monkeypatch.setenv("COMMD_NODE_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(CommdError, match=r"COMMD_NNODES is set .* init_process_group"):
+            DistributedDataParallel(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()

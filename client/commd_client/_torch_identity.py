@@ -85,6 +85,14 @@ def _from_group(
     coordinator: str | None,
     socket: str | None,
 ) -> env.Identity:
+    if os.environ.get("COMMD_NNODES"):
+        # One torchrun --standalone per node: a process group there is the node's own, and
+        # taking the job from it would train each node alone, silently.
+        raise CommdError(
+            "commd: COMMD_NNODES is set (one torchrun per node, commd forming the job across "
+            "them) but a torch.distributed process group is initialised: it is this node's "
+            "own. Do not call init_process_group in this pattern (commd takes the ranks from "
+            "the COMMD_* variables), or unset COMMD_NNODES")
     group_rank = dist.get_rank(group)
     if group_rank < 0:
         raise CommdError("commd: this process is not a member of the process_group given")
