@@ -389,11 +389,9 @@ def test_a_process_group_under_one_torchrun_per_node_is_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Under one torchrun --standalone per node a process group is the node's own: taking
     the job from it would train each node alone, so the wrapper refuses, naming why."""
-    import torch
     import torch.distributed as dist
 
     from commd.testing.ports import free_port
-    from commd_client.torch import DistributedDataParallel
 
     monkeypatch.setenv("COMMD_NNODES", "2")
     monkeypatch.setenv("COMMD_NODE_RANK", "0")
