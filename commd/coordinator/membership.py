@@ -173,6 +173,7 @@ def survivors_order(joins: dict[bytes, PeerJoin]) -> list[bytes]:
 
 def describe_nodes(joins: dict[bytes, PeerJoin], nodes: Iterable[bytes], why: str) -> str:
     """'node HOST (ranks [..]) lost: WHY' for the nodes leaving."""
-    parts = [f"node {joins[node].host} (ranks {joins[node].ranks[:20]})" for node in nodes
-             if node in joins]
+    # the daemon's peer address tells nodes apart where several share a host
+    parts = [f"node {joins[node].peer or joins[node].host} (ranks {joins[node].ranks[:20]})"
+             for node in nodes if node in joins]
     return f"{', '.join(parts) or 'a node'} lost: {why}"

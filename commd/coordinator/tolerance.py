@@ -151,7 +151,7 @@ class TolerantCoordination:
             membership.reform.crash = True  # who does not answer this change is dead
         if membership.reform is not None or fault.epoch != membership.epoch:
             return  # the change in progress, or one already made, covers it
-        host = formation.joins[node].host
+        host = formation.joins[node].peer or formation.joins[node].host
         self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
         if fault.closed and membership.reform is not None:
             membership.reform.crash = True
@@ -167,7 +167,7 @@ class TolerantCoordination:
         formation.add(node, msgspec.structs.replace(join, layers=formation.lowest.layers))
         formation.joining.add(node)
         formation.watch.heard(node, time.monotonic())
-        self._reform(formation, f"node {join.host} (ranks {join.ranks[:20]}) joined")
+        self._reform(formation, f"node {join.peer or join.host} (ranks {join.ranks[:20]}) joined")
 
     def _on_takeover(self, node: bytes, message: PeerTakeover) -> None:
         """A node of a tolerant job whose coordinator went silent asks this daemon, the
@@ -264,7 +264,7 @@ class TolerantCoordination:
             return
         formation.forget(join)
         formation.add(node, msgspec.structs.replace(join, ranks=left))
-        change = f"rank(s) {lost} on node {join.host} lost: {why}"
+        change = f"rank(s) {lost} on node {join.peer or join.host} lost: {why}"
         ranks = sum(len(j.ranks) for j in formation.joins.values())
         if ranks < membership.min_world_size:
             self._abort_all(formation, ErrorCode.RANK_LOST,
