@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tolerant_worker import digest
+from tolerant_worker import await_file, digest
 
 from commd_client import Client, CommdError
 
@@ -35,12 +35,7 @@ from rank_worker import value
 
 def await_go(progress: Path, name: str, rank: int, timeout: float) -> None:
     (progress / f"{name}-held-{rank}").touch()
-    go = progress / f"{name}-go"
-    deadline = time.monotonic() + timeout
-    while not go.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{go} never appeared")
-        time.sleep(0.005)  # polling a condition, with a deadline
+    await_file(progress / f"{name}-go", timeout)
 
 
 def main() -> None:

@@ -19,23 +19,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from tolerant_worker import digest
+from tolerant_worker import await_file, digest
 
 from commd_client import Client, CommdError
 
 from rank_worker import value
-
-
-def _await_file(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.005)  # polling a condition, with a deadline
 
 
 def main() -> None:
@@ -53,12 +44,12 @@ def main() -> None:
             for iteration in range(spec["iterations"]):
                 if iteration == spec.get("gate_before"):
                     (progress / f"gated-{rank}").touch()
-                    _await_file(progress / "go", timeout)
+                    await_file(progress / "go", timeout)
                 victim = iteration == spec.get("die_at")
                 if victim:
                     (progress / "victim").touch()
                 elif iteration == spec.get("loss_at"):
-                    _await_file(progress / "victim", timeout)
+                    await_file(progress / "victim", timeout)
                 for index, (_, size) in enumerate(layers):
                     grads[index][:] = value(rank, iteration, index, size)
                 client.ready(range(len(layers)))
@@ -70,7 +61,7 @@ def main() -> None:
                 out["world_sizes"].append(client.world_size)
                 if iteration == spec.get("hold_after"):
                     (progress / f"held-{rank}").touch()
-                    _await_file(progress / "release", timeout)
+                    await_file(progress / "release", timeout)
             out["members"] = list(client.members)
     except CommdError as exc:
         out["error"] = str(exc)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import finish, start_json_worker
 
 from rank_worker import value
@@ -34,19 +33,8 @@ PEER_TIMEOUT_S = 3
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[list[LocalDaemon]]:
-    before = commd_segments()
-    started: list[LocalDaemon] = []
-    try:
-        for index in range(3):
-            started.append(LocalDaemon(tmp_path, f"d{index}", "--backend", "gloo",
-                                       "--peer-timeout-s", str(PEER_TIMEOUT_S)))
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", str(PEER_TIMEOUT_S)) as started:
         yield started
-    finally:
-        for daemon in started:
-            if daemon.process.poll() is None:
-                os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
-            daemon.stop()
-    assert commd_segments() <= before
 
 
 def expected_digest(members: list[int], iteration: int) -> str:
@@ -156,32 +144,47 @@ def test_below_min_world_size_the_job_fails_as_before(nodes: list[LocalDaemon],
         assert "min_world_size 3" in outcome[rank]["error"]
 
 
-def test_a_killed_daemon_costs_its_node_only(nodes: list[LocalDaemon], tmp_path: Path) -> None:
-    """SIGKILL of node 2's daemon while the job trains: its rank fails, the others go on."""
-    iterations, hold_at = 12, 5
+def kill_a_daemon(pair: list[LocalDaemon], tmp_path: Path, iterations: int, hold_at: int,
+                  victim: int) -> list[dict[str, Any]]:
+    """Train one rank per node of ``pair``; SIGKILL daemon ``victim`` while every rank holds
+    before iteration ``hold_at`` (a survivor's daemon shows the job there), then let them
+    go on; every rank's outcome."""
     hold = {"hold_at": hold_at, "hold_for": "killed"}
-    processes = start(nodes, tmp_path, iterations, dict.fromkeys(range(3), hold))
+    processes = start(pair, tmp_path, iterations, dict.fromkeys(range(len(pair)), hold))
     progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
-    # Every rank holds before marking iteration hold_at: node 2's daemon shows it there.
+    watcher = pair[0 if victim else 1]
     deadline = time.monotonic() + 60
     while True:
-        jobs = daemon_status(nodes[2].socket)["jobs"]
+        jobs = daemon_status(watcher.socket)["jobs"]
         if jobs and jobs[0]["iteration"] == hold_at:
             break
         assert time.monotonic() < deadline, "the job never reached the hold"
         time.sleep(0.05)  # polling a condition, with a deadline
-    nodes[2].process.kill()
+    pair[victim].process.kill()
     (progress / "killed").touch()
-    outcome = results(processes)
-    assert "error" in outcome[2]
-    for rank in (0, 1):
+    return results(processes)
+
+
+def check_after_kill(outcome: list[dict[str, Any]], victim: int, iterations: int,
+                     hold_at: int) -> None:
+    """The victim's rank failed; the others ran every iteration, identical, with every
+    rank's average before the hold and the survivors' from it on."""
+    everyone = list(range(len(outcome)))
+    survivors = [rank for rank in everyone if rank != victim]
+    assert "error" in outcome[victim]
+    for rank in survivors:
         assert "error" not in outcome[rank], outcome[rank]
         assert len(outcome[rank]["digests"]) == iterations
-        assert outcome[rank]["members"] == [0, 1]
-    assert outcome[0]["digests"] == outcome[1]["digests"]
+        assert outcome[rank]["members"] == survivors
+        assert outcome[rank]["digests"] == outcome[survivors[0]]["digests"]
     for iteration in range(iterations):
-        members = [0, 1, 2] if iteration < hold_at else [0, 1]
-        assert outcome[0]["digests"][iteration] == expected_digest(members, iteration)
+        members = everyone if iteration < hold_at else survivors
+        assert outcome[survivors[0]]["digests"][iteration] == expected_digest(members, iteration)
+
+
+def test_a_killed_daemon_costs_its_node_only(nodes: list[LocalDaemon], tmp_path: Path) -> None:
+    """SIGKILL of node 2's daemon while the job trains: its rank fails, the others go on."""
+    check_after_kill(kill_a_daemon(nodes, tmp_path, 12, 5, victim=2), 2, 12, 5)
 
 
 @pytest.mark.parametrize("victim", [3, 2])
@@ -236,29 +239,7 @@ def test_the_coordinators_daemon_killed_the_next_node_takes_over(
         nodes: list[LocalDaemon], tmp_path: Path) -> None:
     """SIGKILL of node 0's daemon, the job's coordinator and rendezvous store: node 1 (the
     lowest rank left) coordinates from its nodes' word, the survivors go on identical."""
-    iterations, hold_at = 12, 5
-    hold = {"hold_at": hold_at, "hold_for": "killed"}
-    processes = start(nodes, tmp_path, iterations, dict.fromkeys(range(3), hold))
-    progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
-    deadline = time.monotonic() + 60
-    while True:
-        jobs = daemon_status(nodes[1].socket)["jobs"]
-        if jobs and jobs[0]["iteration"] == hold_at:
-            break
-        assert time.monotonic() < deadline, "the job never reached the hold"
-        time.sleep(0.05)  # polling a condition, with a deadline
-    nodes[0].process.kill()
-    (progress / "killed").touch()
-    outcome = results(processes)
-    assert "error" in outcome[0]
-    for rank in (1, 2):
-        assert "error" not in outcome[rank], outcome[rank]
-        assert len(outcome[rank]["digests"]) == iterations
-        assert outcome[rank]["members"] == [1, 2]
-    assert outcome[1]["digests"] == outcome[2]["digests"]
-    for iteration in range(iterations):
-        members = [0, 1, 2] if iteration < hold_at else [1, 2]
-        assert outcome[1]["digests"][iteration] == expected_digest(members, iteration)
+    check_after_kill(kill_a_daemon(nodes, tmp_path, 12, 5, victim=0), 0, 12, 5)
     coordinating = daemon_status(nodes[1].socket)["coordinating"]
     assert coordinating == [] or coordinating[0]["epoch"] >= 1
 
@@ -269,26 +250,4 @@ def test_two_nodes_survive_a_crashed_daemon(nodes: list[LocalDaemon], tmp_path: 
     """Two nodes: one node is no majority, but a daemon that dies closes its connections, and
     the survivor's collective says so: a crash, not a split. The survivor goes on alone,
     also when the dead daemon was the coordinator (it takes over for itself)."""
-    pair = nodes[:2]
-    iterations, hold_at = 10, 4
-    hold = {"hold_at": hold_at, "hold_for": "killed"}
-    processes = start(pair, tmp_path, iterations, dict.fromkeys(range(2), hold))
-    progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
-    survivor = 1 - victim
-    deadline = time.monotonic() + 60
-    while True:
-        jobs = daemon_status(pair[survivor].socket)["jobs"]
-        if jobs and jobs[0]["iteration"] == hold_at:
-            break
-        assert time.monotonic() < deadline, "the job never reached the hold"
-        time.sleep(0.05)  # polling a condition, with a deadline
-    pair[victim].process.kill()
-    (progress / "killed").touch()
-    outcome = results(processes)
-    assert "error" in outcome[victim]
-    alone = outcome[survivor]
-    assert "error" not in alone, alone
-    assert alone["members"] == [survivor] and len(alone["digests"]) == iterations
-    for iteration in range(iterations):
-        members = [0, 1] if iteration < hold_at else [survivor]
-        assert alone["digests"][iteration] == expected_digest(members, iteration)
+    check_after_kill(kill_a_daemon(nodes[:2], tmp_path, 10, 4, victim), victim, 10, 4)

@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 from test_fault_tolerance import LAYERS, expected_digest
 
-from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import FinishTimeout, finish, kill_all, start_json_worker
 
 pytestmark = pytest.mark.timeout(180)
@@ -74,20 +74,9 @@ def daemons(workdir: Path, prefixes: Sequence[Sequence[str]] = ((), (), ()),
             hosts: Sequence[str] = ("127.0.0.1",) * 3,
             peer_timeout_s: float = PEER_TIMEOUT_S) -> Iterator[list[LocalDaemon]]:
     """Three daemons; a stopped one is continued before it is asked to stop."""
-    before = commd_segments()
-    started: list[LocalDaemon] = []
-    try:
-        for index, (prefix, host) in enumerate(zip(prefixes, hosts, strict=True)):
-            started.append(LocalDaemon(workdir, f"d{index}", "--backend", "gloo",
-                                       "--peer-timeout-s", f"{peer_timeout_s:g}",
-                                       listen_host=host, prefix=prefix))
+    with daemon_set(workdir, 3, "--peer-timeout-s", f"{peer_timeout_s:g}", prefixes=prefixes,
+                    hosts=hosts) as started:
         yield started
-    finally:
-        for daemon in started:
-            if daemon.process.poll() is None:
-                os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
-            daemon.stop()
-    assert commd_segments() <= before
 
 
 def start(nodes: list[LocalDaemon], progress: Path,

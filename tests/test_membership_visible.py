@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from commd.cli.status import CHANGES_SHOWN, render
 from commd.daemon.metrics import Counts, Metrics
 from commd.job.schedule import make_plan
 from commd.job.trace import MAX_CHANGE, TraceRecorder
-from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import start_json_worker, stop_process
 from commd_protocol import Layer, Register, TraceReply, TraceRequest
 from commd_protocol.status import DaemonStatus, read_status
@@ -44,20 +43,9 @@ WAIT_S = 60.0  # for a rank to reach a gate, a trace to be armed
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[list[LocalDaemon]]:
     """Three daemons serving metrics on free ports."""
-    before = commd_segments()
-    started: list[LocalDaemon] = []
-    try:
-        for index in range(3):
-            started.append(LocalDaemon(tmp_path, f"d{index}", "--backend", "gloo",
-                                       "--peer-timeout-s", str(PEER_TIMEOUT_S),
-                                       "--metrics-listen", "127.0.0.1:0"))
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", str(PEER_TIMEOUT_S),
+                    "--metrics-listen", "127.0.0.1:0") as started:
         yield started
-    finally:
-        for daemon in started:
-            if daemon.process.poll() is None:
-                os.kill(daemon.process.pid, signal.SIGCONT)
-            daemon.stop()
-    assert commd_segments() <= before
 
 
 def await_condition(check: Callable[[], bool], what: str,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import finish, start_json_worker
 
 pytestmark = pytest.mark.timeout(180)
@@ -22,17 +22,8 @@ WORKER = str(Path(__file__).with_name("rejoin_ddp_worker.py"))
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[list[LocalDaemon]]:
-    before = commd_segments()
-    started: list[LocalDaemon] = []
-    try:
-        for index in range(3):
-            started.append(LocalDaemon(tmp_path, f"d{index}", "--backend", "gloo",
-                                       "--peer-timeout-s", "3"))
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", "3") as started:
         yield started
-    finally:
-        for daemon in started:
-            daemon.stop()
-    assert commd_segments() <= before
 
 
 def launch(nodes: list[LocalDaemon], job: str, rank: int, spec: dict[str, Any]) -> Any:

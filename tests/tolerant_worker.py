@@ -36,7 +36,8 @@ def digest(arrays: list[np.ndarray]) -> str:
     return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
 
 
-def _await_file(path: Path, timeout: float) -> None:
+def await_file(path: Path, timeout: float) -> None:
+    """Until ``path`` exists (a test's gate), at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
@@ -62,12 +63,12 @@ def main() -> None:
                 (progress / "joined").touch()
             for iteration in range(client.joined_at, spec["iterations"]):
                 if iteration == spec.get("hold_at"):  # until the replacement is in, or
-                    _await_file(progress / spec.get("hold_for", "joined"), spec["timeout"])
+                    await_file(progress / spec.get("hold_for", "joined"), spec["timeout"])
                 victim = iteration == spec.get("die_at")
                 if victim:
                     (progress / "victim").touch()
                 elif iteration == spec.get("loss_at"):
-                    _await_file(progress / "victim", spec["timeout"])
+                    await_file(progress / "victim", spec["timeout"])
                 for index, (_, size) in enumerate(layers):
                     grads[index][:] = value(rank, iteration, index, size)
                 if victim and spec.get("die_when") == "before_ready":

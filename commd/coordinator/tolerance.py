@@ -96,14 +96,10 @@ class TolerantCoordination:
             formation.first_round.pop(node, None)
             for reports in formation.reports.values():
                 reports.pop(node, None)
-        ranks = sum(len(join.ranks) for join in formation.joins.values())
-        if not formation.joins or ranks < membership.min_world_size:
-            if formation.joins:
-                self._abort_all(formation, ErrorCode.RANK_LOST,
-                                f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
-                                f"{membership.min_world_size}")
-            else:
-                del self._jobs[formation.job]
+        if not formation.joins:
+            del self._jobs[formation.job]
+            return
+        if self._too_few(formation, change):
             return
         if not certain and 2 * len(formation.joins) <= before:
             self._abort_all(formation, ErrorCode.RANK_LOST, (
@@ -233,11 +229,7 @@ class TolerantCoordination:
         change = f"the coordinator {takeover.lost} lost; {len(takeover.peers)} node(s) go on"
         if missing:
             change += f" ({', '.join(missing[:10])} did not ask within the wait: lost too)"
-        ranks = sum(len(join.ranks) for join in formation.joins.values())
-        if ranks < membership.min_world_size:
-            self._abort_all(formation, ErrorCode.RANK_LOST,
-                            f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
-                            f"{membership.min_world_size}")
+        if self._too_few(formation, change):
             return
         formation.replanner.version = takeover.plan  # its plans come after those in force
         reform = membership.begin(change, time.monotonic())
@@ -265,13 +257,21 @@ class TolerantCoordination:
         formation.forget(join)
         formation.add(node, msgspec.structs.replace(join, ranks=left))
         change = f"rank(s) {lost} on node {join.peer or join.host} lost: {why}"
-        ranks = sum(len(j.ranks) for j in formation.joins.values())
-        if ranks < membership.min_world_size:
-            self._abort_all(formation, ErrorCode.RANK_LOST,
-                            f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
-                            f"{membership.min_world_size}")
-            return
-        self._reform(formation, change)
+        if not self._too_few(formation, change):
+            self._reform(formation, change)
+
+    def _too_few(self, formation: Formation, change: str) -> bool:
+        """Whether fewer than min_world_size ranks remain after ``change``: the job then
+        fails on every node, naming both."""
+        membership = formation.membership
+        assert membership is not None
+        ranks = sum(len(join.ranks) for join in formation.joins.values())
+        if ranks >= membership.min_world_size:
+            return False
+        self._abort_all(formation, ErrorCode.RANK_LOST,
+                        f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
+                        f"{membership.min_world_size}")
+        return True
 
     def _on_reform_state(self, node: bytes, state: PeerReformState) -> None:
         formation = self._jobs.get(state.job)

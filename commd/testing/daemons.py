@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -103,6 +104,33 @@ def gloo_daemons(workdir: Path, names: Sequence[str] = ("d0", "d1")) -> Iterator
     finally:
         for daemon in started:
             daemon.stop()
+
+
+@contextlib.contextmanager
+def daemon_set(workdir: Path, count: int, *extra: str,
+               prefixes: Sequence[Sequence[str]] = (), hosts: Sequence[str] = (),
+               ) -> Iterator[list[LocalDaemon]]:
+    """``count`` Gloo daemons named d0, d1, … with ``extra`` options (``prefixes`` and
+    ``hosts``: per daemon, e.g. network namespaces). On the way out a daemon a test stopped
+    (SIGSTOP) is continued first, so it hears its TERM; every one is stopped, and no commd
+    shared-memory segment may be left behind."""
+    before = commd_segments()
+    started: list[LocalDaemon] = []
+    try:
+        for index in range(count):
+            started.append(LocalDaemon(
+                workdir, f"d{index}", "--backend", "gloo", *extra,
+                listen_host=hosts[index] if hosts else "127.0.0.1",
+                prefix=prefixes[index] if prefixes else ()))
+        yield started
+    finally:
+        for daemon in started:
+            if daemon.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(daemon.process.pid, signal.SIGCONT)
+            daemon.stop()
+    left = commd_segments() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)[:5]}"
 
 
 def workdir_key(workdir: Path) -> str:
