@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -122,6 +123,13 @@ def crash_now(marker: Path) -> None:
     os._exit(1)
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks of a node share torchrun's output, and print's two
+    writes (the text, then the newline) of two ranks can interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def checksum(model: nn.Module) -> str:
     """A digest of the parameters' exact bytes: equal on ranks whose replicas are equal."""
     data = b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters())
@@ -145,8 +153,8 @@ def main(argv: Sequence[str] | None = None, before_step: BeforeStep | None = Non
     crash = (args.crash_at is not None and rank == args.crash_rank
              and not args.crash_marker.exists())
     if ddp.joined_at_step:
-        print(f"rank {rank}: joined the running job at step {ddp.joined_at_step}, "
-              f"world size {ddp.world_size}", flush=True)
+        say(f"rank {rank}: joined the running job at step {ddp.joined_at_step}, "
+            f"world size {ddp.world_size}")
     batches: Iterator[list[torch.Tensor]] = iter(())
     for step in range(ddp.joined_at_step, args.steps):
         epoch, offset = divmod(step, steps_per_epoch)
@@ -166,12 +174,12 @@ def main(argv: Sequence[str] | None = None, before_step: BeforeStep | None = Non
         optimizer.step()
         counter.step += 1
         if offset == steps_per_epoch - 1 or step == args.steps - 1:
-            print(f"rank {rank}: epoch {epoch} done at step {step + 1}, world size "
-                  f"{ddp.world_size}, loss {loss.item():.5f}", flush=True)
-    print(f"elastic_train: rank={rank} joined_at={ddp.joined_at_step} "
-          f"steps_run={args.steps - ddp.joined_at_step} counter={counter.step} "
-          f"world_size={ddp.world_size} members={','.join(map(str, ddp.members))} "
-          f"checksum={checksum(model)}", flush=True)
+            say(f"rank {rank}: epoch {epoch} done at step {step + 1}, world size "
+                f"{ddp.world_size}, loss {loss.item():.5f}")
+    say(f"elastic_train: rank={rank} joined_at={ddp.joined_at_step} "
+        f"steps_run={args.steps - ddp.joined_at_step} counter={counter.step} "
+        f"world_size={ddp.world_size} members={','.join(map(str, ddp.members))} "
+        f"checksum={checksum(model)}")
     ddp.close()
 
 

@@ -28,7 +28,7 @@ WORKER = str(TESTS / "elastic_launch_worker.py")
 EXAMPLE = TESTS.parent / "examples" / "elastic_train.py"
 STEPS, EPOCHS, CRASH_AT, HOLD_AT, CRASH_RANK = 24, 4, 8, 10, 2
 SUMMARY = re.compile(r"^elastic_train: rank=(\d+) joined_at=(\d+) steps_run=(\d+) counter=(\d+) "
-                     r"world_size=(\d+) members=([\d,]+) checksum=([0-9a-f]+)$", re.MULTILINE)
+                     r"world_size=(\d+) members=([\d,]+) checksum=([0-9a-f]{16})$", re.MULTILINE)
 
 
 @pytest.fixture

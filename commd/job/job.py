@@ -208,7 +208,8 @@ class Job:
         pipeline = self._running("ready")
         gone = self.members.gone()
         if gone and not self.epochs_enabled:  # a tolerant job went on without them
-            self.fail(ErrorCode.RANK_LOST, f"rank(s) {gone} closed; the job cannot go on")
+            who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {gone[:20]}"
+            self.fail(ErrorCode.RANK_LOST, f"{who} closed its client; the job cannot go on")
             return
         try:
             pipeline.mark(member.local_rank, layers, sent_at, stamps)
