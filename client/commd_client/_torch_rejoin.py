@@ -25,7 +25,7 @@ import torch
 
 from commd_protocol import CommdError
 
-from ._torch_common import Broadcaster, Endpoint
+from ._torch_common import Endpoint, broadcast_once
 
 _WORD = 4  # bytes per float64 element: a uint32 is exact in float64
 
@@ -111,20 +111,12 @@ def receive(endpoint: Endpoint, epoch: int) -> bytes:
 
 def _exchange(pair: Endpoint, blob: bytes | None) -> bytes:
     length = torch.tensor([float(len(blob)) if blob is not None else 0.0], dtype=torch.float64)
-    _broadcast(pair, ".size", length)
+    broadcast_once(pair, ".size", [("state", length)])
     count = int(length.item())
     words = -(-count // _WORD)
     data = torch.zeros(max(words, 1), dtype=torch.float64)
     if blob is not None:
         padded = blob + b"\0" * (words * _WORD - count)
         data[:words] = torch.from_numpy(np.frombuffer(padded, dtype=np.uint32).astype(np.float64))
-    _broadcast(pair, ".data", data)
+    broadcast_once(pair, ".data", [("state", data)])
     return data.numpy()[:words].astype(np.uint32).tobytes()[:count]
-
-
-def _broadcast(pair: Endpoint, suffix: str, tensor: torch.Tensor) -> None:
-    broadcaster = Broadcaster(pair, suffix, [("state", tensor)])
-    try:
-        broadcaster.run([("state", tensor)], source=0)
-    finally:
-        broadcaster.close()

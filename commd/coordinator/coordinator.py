@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import msgspec
 
-from commd.coordinator.formation import Deadlines, Formation
+from commd.coordinator.formation import Deadlines, Formation, replanner_for
 from commd.coordinator.membership import Membership
 from commd.coordinator.replanner import Decision, Replanner
 from commd.coordinator.tolerance import TolerantCoordination, roster_of
@@ -45,7 +45,6 @@ from commd_protocol import (
     PeerTakeover,
 )
 from commd_protocol.agreement import describe_difference
-from commd_protocol.dtypes import itemsize
 from commd_protocol.errors import prefixed
 from commd_protocol.status import CoordinatedJob
 
@@ -190,10 +189,7 @@ class Coordinator(TolerantCoordination):
         self._generation += 1
         formation.generation, formation.formed = self._generation, True
         first = order[0][1]
-        sizes = [layer.size * itemsize(first.dtype) for layer in first.layers]
-        formation.replanner = Replanner(first.planner, sizes, nodes=len(order),
-                                        compression=first.compression,
-                                        itemsize=itemsize(first.dtype))
+        formation.replanner = replanner_for(first, len(order))
         # The store is reached at the address the first node's engine reaches us by.
         store_port = self._store_port(first.host) if len(order) > 1 else 0
         formation.store_port = store_port

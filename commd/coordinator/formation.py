@@ -10,6 +10,7 @@ from commd.coordinator.membership import Membership, Takeover
 from commd.coordinator.replanner import Replanner
 from commd.coordinator.watch import JobWatch
 from commd_protocol import PeerJoin, PeerPlan, PeerProfile
+from commd_protocol.dtypes import itemsize
 
 
 @dataclass
@@ -58,3 +59,11 @@ class Deadlines:
     peer_s: float = 10.0  # a node silent this long fails the job
     stall_warn_s: float = 60.0  # a stall this long is named
     stall_s: float = 0.0  # a stall this long fails the job (0: never)
+
+
+def replanner_for(join: PeerJoin, nodes: int) -> Replanner:
+    """The plans' owner of a job whose layers ``join`` gives, among ``nodes`` nodes (a job
+    formed here, or taken over here from a lost coordinator)."""
+    size = itemsize(join.dtype)
+    return Replanner(join.planner, [layer.size * size for layer in join.layers], nodes=nodes,
+                     compression=join.compression, itemsize=size)

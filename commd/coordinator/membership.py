@@ -171,9 +171,14 @@ def survivors_order(joins: dict[bytes, PeerJoin]) -> list[bytes]:
     return sorted(joins, key=lambda node: min(joins[node].ranks))
 
 
+def node_name(join: PeerJoin) -> str:
+    """A node in words: its daemon's peer address, which tells nodes apart where several
+    share a host (its engine's host for an older daemon that gives none)."""
+    return join.peer or join.host
+
+
 def describe_nodes(joins: dict[bytes, PeerJoin], nodes: Iterable[bytes], why: str) -> str:
     """'node HOST (ranks [..]) lost: WHY' for the nodes leaving."""
-    # the daemon's peer address tells nodes apart where several share a host
-    parts = [f"node {joins[node].peer or joins[node].host} (ranks {joins[node].ranks[:20]})"
+    parts = [f"node {node_name(joins[node])} (ranks {joins[node].ranks[:20]})"
              for node in nodes if node in joins]
     return f"{', '.join(parts) or 'a node'} lost: {why}"

@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 import msgspec
 
-from commd.coordinator.formation import Formation
+from commd.coordinator.formation import Formation, replanner_for
 from commd.coordinator.membership import (
     Membership,
     Takeover,
     describe_nodes,
     expected_peers,
+    node_name,
     survivors_order,
 )
-from commd.coordinator.replanner import Replanner
 from commd.coordinator.validation import JoinLimits, join_problem
 from commd_protocol import (
     ErrorCode,
@@ -38,7 +38,6 @@ from commd_protocol import (
 )
 from commd_protocol.agreement import describe_difference
 from commd_protocol.checks import roster_problem
-from commd_protocol.dtypes import itemsize
 from commd_protocol.limits import count_problem
 from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 
@@ -81,16 +80,15 @@ class TolerantCoordination:
         assert membership is not None
         change = describe_nodes(formation.joins, nodes, why)
         before = len(formation.joins)
-        for node in nodes:  # a silent node that is only cut off hears it when it is back
-            if not certain and node in formation.joins:
-                self._send(node, PeerAbort(
-                    job=formation.job, code=ErrorCode.RANK_LOST,
-                    message=f"commd: job {formation.job!r}: this node was dropped from the "
-                            f"job: {why}"))
         for node in nodes:
             join = formation.joins.pop(node, None)
             if join is not None:
                 formation.forget(join)
+                if not certain:  # a silent node that is only cut off hears it when back
+                    self._send(node, PeerAbort(
+                        job=formation.job, code=ErrorCode.RANK_LOST,
+                        message=f"commd: job {formation.job!r}: this node was dropped from "
+                                f"the job: {why}"))
             formation.watch.nodes.pop(node, None)
             formation.joining.discard(node)
             formation.first_round.pop(node, None)
@@ -143,14 +141,12 @@ class TolerantCoordination:
         if fault.lost_ranks:
             self._lose_ranks(formation, node, fault)
             return
+        # Unless the change in progress, or one already made, covers it.
+        if membership.reform is None and fault.epoch == membership.epoch:
+            host = node_name(formation.joins[node])
+            self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
         if fault.closed and membership.reform is not None:
             membership.reform.crash = True  # who does not answer this change is dead
-        if membership.reform is not None or fault.epoch != membership.epoch:
-            return  # the change in progress, or one already made, covers it
-        host = formation.joins[node].peer or formation.joins[node].host
-        self._reform(formation, f"a collective failed on node {host}: {fault.message[:300]}")
-        if fault.closed and membership.reform is not None:
-            membership.reform.crash = True
 
     def _admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
         """A node asks to join a running tolerant job (a replacement, or more ranks): it is
@@ -163,7 +159,7 @@ class TolerantCoordination:
         formation.add(node, msgspec.structs.replace(join, layers=formation.lowest.layers))
         formation.joining.add(node)
         formation.watch.heard(node, time.monotonic())
-        self._reform(formation, f"node {join.peer or join.host} (ranks {join.ranks[:20]}) joined")
+        self._reform(formation, f"node {node_name(join)} (ranks {join.ranks[:20]}) joined")
 
     def _on_takeover(self, node: bytes, message: PeerTakeover) -> None:
         """A node of a tolerant job whose coordinator went silent asks this daemon, the
@@ -187,10 +183,7 @@ class TolerantCoordination:
             formation.formed = True
             formation.membership = Membership(join.min_world_size, epoch=message.epoch)
             formation.store_port = self._store_port(join.host)
-            sizes = [layer.size * itemsize(join.dtype) for layer in join.layers]
-            formation.replanner = Replanner(join.planner, sizes, nodes=len(message.roster),
-                                            compression=join.compression,
-                                            itemsize=itemsize(join.dtype))
+            formation.replanner = replanner_for(join, len(message.roster))
             formation.takeover = Takeover(message.lost,
                                           expected_peers(message.roster, message.lost),
                                           time.monotonic(), roster_nodes=len(message.roster))
@@ -256,7 +249,7 @@ class TolerantCoordination:
             return
         formation.forget(join)
         formation.add(node, msgspec.structs.replace(join, ranks=left))
-        change = f"rank(s) {lost} on node {join.peer or join.host} lost: {why}"
+        change = f"rank(s) {lost} on node {node_name(join)} lost: {why}"
         if not self._too_few(formation, change):
             self._reform(formation, change)
 

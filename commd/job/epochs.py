@@ -84,6 +84,14 @@ def _stop(job: Tolerant) -> tuple[int, bool]:
     return state
 
 
+def _stand(job: Tolerant, pipeline: TolerantPipeline) -> tuple[int, bool]:
+    """Stopped (now, if it still ran): iterations delivered, and whether the current one
+    waits only for its commit."""
+    if job.state is JobState.RUNNING:
+        return _stop(job)
+    return pipeline.iteration, pipeline.committing
+
+
 def on_collective_failure(job: Tolerant, problem: BaseException) -> None:
     """A collective failed (a peer vanished?): stop and tell the coordinator, which reforms
     the job; nothing fails here."""
@@ -130,8 +138,7 @@ def on_reform(job: Tolerant, message: PeerReform) -> None:
         return
     pipeline = _pipeline(job)
     assert pipeline is not None
-    delivered, committing = (_stop(job) if job.state is JobState.RUNNING
-                             else (pipeline.iteration, pipeline.committing))
+    delivered, committing = _stand(job, pipeline)
     job.epochs.stopping_for = message.epoch
     job.ctx.send_peer(job.coordinator, PeerReformState(
         job=job.id, epoch=message.epoch, delivered=delivered, committing=committing))
@@ -197,7 +204,7 @@ async def on_resume(job: JoiningJob, message: PeerResume) -> None:
         job.fail(ErrorCode.INVALID, str(exc))
         return
     job.engine, job.setup, job.state = engine, place, JobState.RUNNING
-    _enter(job, message, "joined" if "joined" in message.change else "lost")
+    _enter(job, message)
 
 
 class JoiningJob(set_up.Starting, Tolerant, Protocol):
@@ -232,12 +239,15 @@ async def _join_running(job: JoiningJob, message: PeerResume) -> None:
         job.on_plan(plan)
 
 
-def _enter(job: Tolerant, message: PeerResume, kind: str) -> None:
-    """The node runs in ``message``'s epoch now: record it and say so."""
+def _enter(job: Tolerant, message: PeerResume, kind: str = "") -> None:
+    """The node runs in ``message``'s epoch now: record it and say so. ``kind`` for the
+    metrics: "joined" when ranks came in (given by a joining node, whose own arrival it is),
+    else "lost"."""
     change = message.change[:MAX_CHANGE_CHARS]
     epochs = job.epochs
     before = set(epochs.members) if epochs.epoch else set(range(job.world_size))
     joined = sorted(set(message.members) - before)
+    kind = kind or ("joined" if joined else "lost")
     if joined and before & set(message.members) and job.state is JobState.RUNNING:
         # This node was in the job: its ranks hear of the joiners, the lowest old one
         # gives them the training state.
@@ -286,8 +296,7 @@ def take_over(job: TakingOver, problem: str) -> bool:
         return False
     pipeline = _pipeline(job)
     assert pipeline is not None
-    delivered, committing = (_stop(job) if job.state is JobState.RUNNING
-                             else (pipeline.iteration, pipeline.committing))
+    delivered, committing = _stand(job, pipeline)
     pipeline.forget_expected_decisions()
     lost, job.coordinator = job.coordinator, successor
     epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]

@@ -214,12 +214,7 @@ class Pipeline:
                 self.trace.finishing(self.iteration, index, finishing[-1])
         await _all_or_cancel(finishing)
         await self._commit(plan)
-        gains = (self.compression.end_iteration(plan.exchanges)
-                 if self.compression is not None else IterationGains())
-        done = self.iteration
-        self.done_plan = plan
-        self.iteration += 1
-        ready_at = self._ready.next_iteration()
+        done, ready_at, gains = self._advance(plan)
         if self.trace is not None:
             self.trace.iteration(done, plan, ready_at)
         if not self.ops.stream_ordered:
@@ -235,6 +230,16 @@ class Pipeline:
         previous = self._records
         self._records = asyncio.ensure_future(self._record_when_finished(
             previous, [*wires, finished], plan, done, ready_at, samples, gains))
+
+    def _advance(self, plan: Plan) -> tuple[int, np.ndarray, IterationGains]:
+        """The iteration ``plan`` ran is over on this node: (its number, when each layer was
+        ready, the compression's gains); the next iteration's marks start empty."""
+        gains = (self.compression.end_iteration(plan.exchanges)
+                 if self.compression is not None else IterationGains())
+        done = self.iteration
+        self.done_plan = plan
+        self.iteration += 1
+        return done, self._ready.next_iteration(), gains
 
     async def _record_when_finished(self, previous: asyncio.Future[None] | None,
                                     pending: list[asyncio.Future[Any]], plan: Plan,

@@ -27,7 +27,6 @@ import numpy as np
 
 from commd.engines import Engine
 from commd.engines.buffer_ops import Buffer
-from commd.job.measurements import IterationGains
 from commd.job.pipeline import GroupViews, Pipeline
 from commd.job.schedule import Plan
 
@@ -103,7 +102,6 @@ class TolerantPipeline(Pipeline):
         ResumeError when ``iteration`` does not fit this node's state."""
         if iteration == self.iteration + 1 and self.committing:
             self._publish()
-            self.committing = False
             self._complete_committed()
         elif iteration != self.iteration:
             raise ResumeError(f"the coordinator resumes at iteration {iteration}, but this node "
@@ -138,14 +136,9 @@ class TolerantPipeline(Pipeline):
         """The iteration whose commit went through elsewhere: done here too."""
         plan = self._in_flight or self.plan
         assert plan is not None
-        done = self.iteration
-        self.done_plan = plan
-        self.iteration += 1
-        ready_at = self._ready.next_iteration()
+        done, ready_at, gains = self._advance(plan)
         # Its record too (without the abandoned timings): the report rounds count iterations,
         # and a round this node never reported would hold every node's next plan.
-        gains = (self.compression.end_iteration(plan.exchanges)
-                 if self.compression is not None else IterationGains())
         self._on_record(self._records_clock.record(plan, done, ready_at, [], gains,
                                                    time.monotonic()))
         self._on_complete(done, plan)
