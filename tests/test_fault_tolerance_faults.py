@@ -1,30 +1,36 @@
 """fault_tolerance="continue" under real faults (issue 36's proof): a daemon that stops
-answering (SIGSTOP) and a link cut in a network namespace. Three daemons with
-``--peer-timeout-s 3``, one rank each (``tests/ft_fault_worker.py``), real Gloo.
+answering (SIGSTOP) and a link cut in a network namespace, on two layouts: three daemons
+with one rank each, and two daemons with two ranks each (``--peer-timeout-s 3``,
+``tests/ft_fault_worker.py``, real Gloo). The victim is always the last node, never the
+coordinator's (node 0, rank 0's).
 
 The fault lands in iteration ``HOLD_AT`` on every rank (``ft_fault_worker``'s hold): either
 ``between`` two iterations (every rank held until the fault is in place) or ``in_wait``
-(only node 2's rank is held; the survivors have marked their layers and wait for node 2 when
-it fails). Either way node 2 contributed nothing to that iteration: before it the survivors'
-averages are all three ranks', from it on exactly the two survivors'. The survivors must run
-every iteration without an error, agree bit for bit and see members [0, 1].
+(only the victim's ranks are held; the survivors have marked their layers and wait for the
+victim when it fails). Either way the victim contributed nothing to that iteration: before
+it the survivors' averages are every rank's, from it on exactly the survivors'. The
+survivors must run every iteration without an error, agree bit for bit and see only
+themselves as members.
 
-- ``test_a_stopped_daemon_is_dropped``: node 2's daemon is stopped; once the survivors have
-  finished it is continued, and its rank must get a CommdError soon after (its node was
-  dropped), never wait until its timeout.
-- ``test_a_dropped_node_that_wakes_leaves_the_survivors_alone``: the same, but node 2 is
-  continued while the survivors still train (held in iteration ``WAKE_AT``, past the loss):
-  its rank gets a CommdError, and the survivors go on untouched, with exactly their own
-  averages (a woken node taken back in, or a second coordinator of the job started for it,
-  would show in them).
+- ``test_a_stopped_daemon_is_dropped``: the victim's daemon is stopped; once the survivors
+  have finished it is continued, and its ranks must get a CommdError soon after (their node
+  was dropped), never wait until their timeout.
+- ``test_a_dropped_node_that_wakes_leaves_the_survivors_alone``: the same, but the victim
+  is continued while the survivors still train (held in iteration ``WAKE_AT``, past the
+  loss): its ranks get a CommdError, and the survivors go on untouched, with exactly their
+  own averages (a woken node taken back in, or a second coordinator of the job started for
+  it, would show in them).
 - ``test_a_cut_link_is_dropped`` (``netns``: root only, skipped elsewhere): the daemons run
-  in three network namespaces on a bridge; node 2's link is set down. Its rank gets a
-  CommdError too (its node lost the coordinator), never trains on alone.
+  in network namespaces on a bridge; the victim's link is set down. Its ranks get a
+  CommdError too (their node lost the coordinator), never train on alone.
 
-The last two also run with ``--peer-timeout-s 7``, longer than a takeover's wait for the
+With three nodes the survivors are a majority; with two, a half that holds the coordinator,
+which goes on where the other half cannot (the majority rule, docs/fault-tolerance.md). The
+last two tests also run with ``--peer-timeout-s 7``, longer than a takeover's wait for the
 roster: there the cut-off (or woken) node asks the roster's next node to take over the
-coordination, and only finds itself: one node of three is no majority, so its rank gets a
-CommdError instead of training on alone beside the survivors (no split brain).
+coordination, and only finds itself: one node of three is no majority, one of two is a half
+without the coordinator, so its ranks get a CommdError instead of training on alone beside
+the survivors (no split brain).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,39 +61,70 @@ ITERATIONS = 8
 HOLD_AT = 3  # the fault lands in this iteration
 WAKE_AT = 5  # the survivors wait here while the dropped node wakes
 CLIENT_TIMEOUT_S = 90.0  # a rank that hung would wait this long
-TOLD_WITHIN_S = 30.0  # the dropped node's rank hears of it well before its timeout
+TOLD_WITHIN_S = 30.0  # the dropped node's ranks hear of it well before their timeout
 # Longer than the ~5 s a daemon that takes over coordination waits for the roster's nodes,
 # shorter than the 10 s of silence after which a rank gives up on its stopped daemon.
 LONG_PEER_TIMEOUT_S = 7
-SURVIVORS = [0, 1]
 
 Hold = dict[str, Any]  # ft_fault_worker's {"name", "at", "ranks"}
 
 
-def fault_hold(when: str) -> Hold:
-    """``between``: every rank held before HOLD_AT; ``in_wait``: node 2's only, the others
-    have marked their layers."""
-    return {"name": "fault", "at": HOLD_AT, "ranks": [0, 1, 2] if when == "between" else [2]}
+@dataclass(frozen=True)
+class Layout:
+    """``nodes`` daemons with ``per_node`` ranks each; the last node is the victim."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def everyone(self) -> list[int]:
+        return list(range(self.world_size))
+
+    @property
+    def victims(self) -> list[int]:
+        return self.everyone[-self.per_node:]
+
+    @property
+    def survivors(self) -> list[int]:
+        return self.everyone[:-self.per_node]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+
+LAYOUTS = [pytest.param(Layout(3, 1), id="3x1"), pytest.param(Layout(2, 2), id="2x2")]
+
+
+def fault_hold(layout: Layout, when: str) -> Hold:
+    """``between``: every rank held before HOLD_AT; ``in_wait``: the victim's only, the
+    others have marked their layers."""
+    return {"name": "fault", "at": HOLD_AT,
+            "ranks": layout.everyone if when == "between" else layout.victims}
 
 
 @contextlib.contextmanager
-def daemons(workdir: Path, prefixes: Sequence[Sequence[str]] = ((), (), ()),
-            hosts: Sequence[str] = ("127.0.0.1",) * 3,
+def daemons(workdir: Path, layout: Layout, prefixes: Sequence[Sequence[str]] = (),
+            hosts: Sequence[str] = (),
             peer_timeout_s: float = PEER_TIMEOUT_S) -> Iterator[list[LocalDaemon]]:
-    """Three daemons; a stopped one is continued before it is asked to stop."""
-    with daemon_set(workdir, 3, "--peer-timeout-s", f"{peer_timeout_s:g}", prefixes=prefixes,
-                    hosts=hosts) as started:
+    """A daemon per node; a stopped one is continued before it is asked to stop."""
+    with daemon_set(workdir, layout.nodes, "--peer-timeout-s", f"{peer_timeout_s:g}",
+                    prefixes=prefixes, hosts=hosts) as started:
         yield started
 
 
-def start(nodes: list[LocalDaemon], progress: Path,
+def start(nodes: list[LocalDaemon], layout: Layout, progress: Path,
           holds: list[Hold]) -> list[subprocess.Popen[str]]:
     job = f"ftf-{uuid.uuid4().hex[:8]}"
     progress.mkdir()
     processes = []
-    for rank, node in enumerate(nodes):
-        spec = {"job": job, "rank": rank, "world_size": len(nodes), "local_rank": 0,
-                "local_world_size": 1, "coordinator": nodes[0].address, "socket": node.socket,
+    for rank in layout.everyone:
+        spec = {"job": job, "rank": rank, "world_size": layout.world_size,
+                "local_rank": rank % layout.per_node, "local_world_size": layout.per_node,
+                "coordinator": nodes[0].address, "socket": nodes[layout.node_of(rank)].socket,
                 "timeout": CLIENT_TIMEOUT_S, "layers": LAYERS, "iterations": ITERATIONS,
                 "holds": holds, "progress_dir": str(progress)}
         processes.append(start_json_worker([sys.executable, WORKER], spec))
@@ -128,117 +166,129 @@ def collect(processes: list[subprocess.Popen[str]], timeout_s: float,
     return out
 
 
-def check_survivors(outcome: list[dict[str, Any]], nodes: list[LocalDaemon]) -> None:
+def check_survivors(outcome: list[dict[str, Any]], layout: Layout,
+                    nodes: list[LocalDaemon]) -> None:
     logs = "\n".join(f"--- {d.name}\n{d.log()[-2000:]}" for d in nodes)
-    for rank in SURVIVORS:
-        record = outcome[rank]
+    survivors = layout.survivors
+    for record in outcome:
         assert "error" not in record, f"{record}\n{logs}"
         assert len(record["digests"]) == ITERATIONS, record
-        assert record["members"] == SURVIVORS
-        assert record["world_sizes"][-1] == len(SURVIVORS)
+        assert record["members"] == survivors
+        assert record["world_sizes"][-1] == len(survivors)
         assert record["epochs"][-1] >= 1
-    first = outcome[SURVIVORS[0]]["digests"]
-    assert outcome[SURVIVORS[1]]["digests"] == first, f"the survivors diverged\n{logs}"
+    first = outcome[0]["digests"]
+    for record in outcome[1:]:
+        assert record["digests"] == first, f"the survivors diverged\n{logs}"
     for iteration in range(ITERATIONS):
-        ranks = [0, 1, 2] if iteration < HOLD_AT else SURVIVORS
+        ranks = layout.everyone if iteration < HOLD_AT else survivors
         assert first[iteration] == expected_digest(ranks, iteration), f"{iteration}\n{logs}"
 
 
-def check_dropped(record: dict[str, Any], node: LocalDaemon) -> None:
-    """Node 2's rank: a CommdError in the iteration of the fault, never the results of a
-    job of its own."""
-    assert record.get("error_type") == "CommdError", f"{record}\n{node.log()[-3000:]}"
-    assert record["error"].startswith("commd: "), record
-    assert len(record["digests"]) == HOLD_AT, record
+def check_dropped(records: list[dict[str, Any]], node: LocalDaemon) -> None:
+    """The victim's ranks: a CommdError in the iteration of the fault, never the results of
+    a job of their own."""
+    for record in records:
+        assert record.get("error_type") == "CommdError", f"{record}\n{node.log()[-3000:]}"
+        assert record["error"].startswith("commd: "), record
+        assert len(record["digests"]) == HOLD_AT, record
 
 
-def run_fault(nodes: list[LocalDaemon], progress: Path, when: str, fault: Any) -> tuple[
-        list[dict[str, Any]], list[subprocess.Popen[str]]]:
+def run_fault(nodes: list[LocalDaemon], layout: Layout, progress: Path, when: str,
+              fault: Any) -> tuple[list[dict[str, Any]], list[subprocess.Popen[str]]]:
     """Start the job, inject ``fault()`` in iteration HOLD_AT, let the held ranks go, and
-    collect the survivors; returns their records and every process (node 2's rank still
-    running)."""
-    hold = fault_hold(when)
-    processes = start(nodes, progress, [hold])
+    collect the survivors; returns their records and every process (the victim's ranks
+    still running)."""
+    hold = fault_hold(layout, when)
+    processes = start(nodes, layout, progress, [hold])
     try:
-        await_hold(progress, hold, [0, 1, 2], processes)
+        await_hold(progress, hold, layout.everyone, processes)
         fault()
         release(progress, hold)
-        return collect(processes[:2], 90, nodes), processes
+        return collect(processes[:len(layout.survivors)], 90, nodes), processes
     except BaseException:
         kill_all(processes)
         raise
 
 
-def test_a_stopped_daemon_is_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stopped_daemon_is_dropped(tmp_path: Path, layout: Layout) -> None:
     """Stopped while the survivors wait for it; continued once they have finished."""
-    with daemons(tmp_path) as nodes:
-        victim = nodes[2].process
+    with daemons(tmp_path, layout) as nodes:
+        victim = nodes[-1].process
         try:
-            outcome, processes = run_fault(nodes, tmp_path / "progress", "in_wait",
+            outcome, processes = run_fault(nodes, layout, tmp_path / "progress", "in_wait",
                                            lambda: victim.send_signal(signal.SIGSTOP))
         finally:
             continued_at = time.time()
             victim.send_signal(signal.SIGCONT)
-        (dropped,) = collect(processes[2:], TOLD_WITHIN_S + 10, nodes)
-        check_survivors(outcome, nodes)
-        check_dropped(dropped, nodes[2])
-    assert dropped["error_at"] - continued_at < TOLD_WITHIN_S, dropped
+        dropped = collect(processes[len(layout.survivors):], TOLD_WITHIN_S + 10, nodes)
+        check_survivors(outcome, layout, nodes)
+        check_dropped(dropped, nodes[-1])
+    for record in dropped:
+        assert record["error_at"] - continued_at < TOLD_WITHIN_S, record
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("peer_timeout_s", [
     PEER_TIMEOUT_S,
     LONG_PEER_TIMEOUT_S,
 ])
 def test_a_dropped_node_that_wakes_leaves_the_survivors_alone(tmp_path: Path,
-                                                              peer_timeout_s: int) -> None:
+                                                              peer_timeout_s: int,
+                                                              layout: Layout) -> None:
     """Stopped between two iterations, continued while the survivors still train."""
-    fault = fault_hold("between")
-    wake = {"name": "wake", "at": WAKE_AT, "ranks": SURVIVORS}
-    with daemons(tmp_path, peer_timeout_s=peer_timeout_s) as nodes:
-        victim = nodes[2].process
-        processes = start(nodes, tmp_path / "progress", [fault, wake])
+    fault = fault_hold(layout, "between")
+    wake = {"name": "wake", "at": WAKE_AT, "ranks": layout.survivors}
+    with daemons(tmp_path, layout, peer_timeout_s=peer_timeout_s) as nodes:
+        victim = nodes[-1].process
+        processes = start(nodes, layout, tmp_path / "progress", [fault, wake])
         try:
-            await_hold(tmp_path / "progress", fault, [0, 1, 2], processes)
+            await_hold(tmp_path / "progress", fault, layout.everyone, processes)
             victim.send_signal(signal.SIGSTOP)
             release(tmp_path / "progress", fault)
-            # past the loss: the survivors ran iterations HOLD_AT.. WAKE_AT - 1 without node 2
-            await_hold(tmp_path / "progress", wake, SURVIVORS, processes)
+            # past the loss: the survivors ran iterations HOLD_AT.. WAKE_AT - 1 without it
+            await_hold(tmp_path / "progress", wake, layout.survivors, processes)
         finally:
             continued_at = time.time()
             victim.send_signal(signal.SIGCONT)
         try:
-            (dropped,) = collect(processes[2:], TOLD_WITHIN_S + 10, nodes)
+            dropped = collect(processes[len(layout.survivors):], TOLD_WITHIN_S + 10, nodes)
             release(tmp_path / "progress", wake)
-            outcome = collect(processes[:2], 60, nodes)
+            outcome = collect(processes[:len(layout.survivors)], 60, nodes)
         finally:
             kill_all(processes)
-        check_survivors(outcome, nodes)
-        check_dropped(dropped, nodes[2])
-    assert dropped["error_at"] - continued_at < TOLD_WITHIN_S, dropped
+        check_survivors(outcome, layout, nodes)
+        check_dropped(dropped, nodes[-1])
+    for record in dropped:
+        assert record["error_at"] - continued_at < TOLD_WITHIN_S, record
 
 
 @pytest.mark.netns
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("when", "peer_timeout_s"), [
     ("in_wait", PEER_TIMEOUT_S),
     ("between", LONG_PEER_TIMEOUT_S),
 ])
-def test_a_cut_link_is_dropped(tmp_path: Path, when: str, peer_timeout_s: int) -> None:
+def test_a_cut_link_is_dropped(tmp_path: Path, when: str, peer_timeout_s: int,
+                               layout: Layout) -> None:
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from netbed import NetBed, NetBedUnavailable
 
     try:
-        bed = NetBed(nodes=3, rate=None).__enter__()
+        bed = NetBed(nodes=layout.nodes, rate=None).__enter__()
     except NetBedUnavailable as exc:
         pytest.skip(f"no network namespaces here: {exc}")
     try:
-        with daemons(tmp_path, [bed.argv(node, []) for node in range(3)],
-                     [bed.address(node) for node in range(3)], peer_timeout_s) as nodes:
-            outcome, processes = run_fault(nodes, tmp_path / "progress", when, lambda: bed.run(
-                2, ["ip", "link", "set", "eth0", "down"]))
-            (cut,) = collect(processes[2:], CLIENT_TIMEOUT_S, nodes)
-            check_survivors(outcome, nodes)
-            check_dropped(cut, nodes[2])
+        with daemons(tmp_path, layout, [bed.argv(node, []) for node in range(layout.nodes)],
+                     [bed.address(node) for node in range(layout.nodes)],
+                     peer_timeout_s) as nodes:
+            outcome, processes = run_fault(
+                nodes, layout, tmp_path / "progress", when,
+                lambda: bed.run(layout.nodes - 1, ["ip", "link", "set", "eth0", "down"]))
+            cut = collect(processes[len(layout.survivors):], CLIENT_TIMEOUT_S, nodes)
+            check_survivors(outcome, layout, nodes)
+            check_dropped(cut, nodes[-1])
     finally:
         bed.__exit__(None, None, None)

@@ -292,21 +292,43 @@ def test_a_node_that_never_answers_is_dropped_after_the_answer_deadline() -> Non
                              "127.0.0.2 (ranks [1]) lost"), change
 
 
-def test_silence_that_leaves_no_majority_stops_this_side() -> None:
+def test_silence_that_leaves_a_half_goes_on_on_the_coordinators_side() -> None:
     """Without a crash seen, a node that does not answer may only be cut off, and on its side
-    of a split it may go on: with 1 of the epoch's 2 nodes left the job stops here, telling
-    the silent node too (it hears it when it is back)."""
+    of a split it may go on, but never as a half against a half: its side has no
+    coordinator and cannot take over with a half. With 1 of the epoch's 2 nodes left the
+    job goes on here, telling the silent node it was dropped (it hears it when it is back)."""
     coordinator, recorder = formed()
     lose_c(coordinator, recorder)
     coordinator.on_message(A, state(4))
     coordinator.tick(time.monotonic() + REFORM_ANSWER_S + 0.5)
+    told = dict(recorder.take())
+    assert set(told) == {A, B}, told
+    dropped, reform = told[B], told[A]
+    assert isinstance(dropped, PeerAbort) and dropped.code == ErrorCode.RANK_LOST
+    assert "this node was dropped from the job" in dropped.message
+    assert isinstance(reform, PeerReform) and reform.epoch == 2
+    coordinator.on_message(A, state(4, epoch=2))
+    (node, resume), = recorder.take()
+    assert node == A and isinstance(resume, PeerResume) and resume.members == [0]
+
+
+def test_silence_that_leaves_a_minority_stops_this_side() -> None:
+    """Two of three nodes do not answer a change: the one left is no majority nor a half, so
+    the job stops here, naming the rule, and tells the silent nodes they were dropped."""
+    coordinator, recorder = formed()
+    coordinator.on_message(A, PeerFault(job=JOB, epoch=0, message="gloo: timed out"))
+    assert [node for node, _ in recorder.take()] == [A, B, C]  # a PeerReform each
+    coordinator.on_message(A, state(4))
+    coordinator.tick(time.monotonic() + REFORM_ANSWER_S + 0.5)
     sent = recorder.take()
-    assert {node for node, _ in sent} == {A, B}
+    assert sorted(node for node, _ in sent) == [A, B, C]
     for _, message in sent:
         assert isinstance(message, PeerAbort) and message.code == ErrorCode.RANK_LOST
     told = dict(sent)
-    assert "this node was dropped from the job" in told[B].message
-    assert "not a majority" in told[A].message
+    for silent in (B, C):
+        assert "this node was dropped from the job" in told[silent].message
+    assert "1 of the epoch's 3 nodes remain reachable, not a majority nor a half" \
+        in told[A].message
     assert coordinator.status() == []
 
 

@@ -74,8 +74,10 @@ class TolerantCoordination:
         peer that closed its connections). Silence is not: a node cut off by the network
         looks the same from here as a dead one, and it may go on with the nodes on its side
         of the split. So a silent loss leaves the job running only where it keeps a strict
-        majority of its nodes; the other side cannot take over either (``_take_over``), and
-        no job ever trains as two."""
+        majority of its nodes, or exactly half of them with the coordinator: a split into two
+        halves goes on on the coordinator's side, which is always this one. The other side
+        cannot take over with a half (``_take_over`` needs a strict majority), so no job ever
+        trains as two, and a two-node job survives its other node falling silent."""
         membership = formation.membership
         assert membership is not None
         change = describe_nodes(formation.joins, nodes, why)
@@ -99,11 +101,11 @@ class TolerantCoordination:
             return
         if self._too_few(formation, change):
             return
-        if not certain and 2 * len(formation.joins) <= before:
+        if not certain and 2 * len(formation.joins) < before:
             self._abort_all(formation, ErrorCode.RANK_LOST, (
                 f"{change}; {len(formation.joins)} of the epoch's {before} nodes remain "
-                "reachable, not a majority: silence cannot tell a crash from a network "
-                "split, and the other side may go on"))
+                "reachable, not a majority nor a half: silence cannot tell a crash from a "
+                "network split, and the other side may go on"))
             return
         self._reform(formation, change)
         for round_number in sorted(formation.reports):  # rounds that waited for the lost
