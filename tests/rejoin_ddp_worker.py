@@ -69,12 +69,15 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
     ddp = DDP(model, fault_tolerance="continue")
+    # torch's first optimizer loads this lazily; a joiner must have loaded it before joining
+    preloaded = "torch._dynamo" in sys.modules
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     counter = Counter()
     ddp.register_state("optimizer", optimizer)
     ddp.register_state("counter", counter)
     out: dict[str, Any] = {"rank": rank, "joined_at": ddp.joined_at_step,
-                           "counter_at_join": counter.step, "world_sizes": []}
+                           "counter_at_join": counter.step, "world_sizes": [],
+                           "preloaded": preloaded}
     for step in range(ddp.joined_at_step, spec["steps"]):
         if step == spec.get("hold_at") and rank != spec.get("joiner_rank"):
             hold_until_joined(spec)

@@ -57,6 +57,9 @@ def test_a_replacement_takes_a_live_peers_state(nodes: list[LocalDaemon]) -> Non
     joined = outcome[2]
     assert joined["joined_at"] == hold_at
     assert joined["counter_at_join"] == hold_at  # the registered counter came with the state
+    # What its first step would load lazily was loaded before it joined: the survivors, stopped
+    # from the join to its first gradients, do not wait for torch's imports.
+    assert joined["preloaded"]
     for key in ("params", "buffers", "momentum", "counter", "members"):
         assert outcome[0][key] == outcome[1][key] == joined[key], key
     assert outcome[0]["members"] == [0, 1, 2]

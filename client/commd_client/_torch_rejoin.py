@@ -16,6 +16,7 @@ only, so a peer cannot make it run code.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -34,6 +35,18 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+def prepare_to_join() -> None:
+    """Load, before this rank can join a running job, what its first training step would load
+    lazily. From the join on, the survivors wait for the joiner's first gradients; torch's
+    first optimizer constructed in a process imports ``torch._dynamo`` (most of a second on a
+    small machine), which would otherwise fall inside that wait. Every rank pays it once
+    anyway; here it is paid before the others are stopped for the join."""
+    try:
+        importlib.import_module("torch._dynamo")
+    except ImportError:  # a torch build without it: nothing to load
+        pass
 
 
 def pack(module: torch.nn.Module, states: Mapping[str, Stateful], step: int) -> bytes:

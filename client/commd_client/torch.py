@@ -194,6 +194,7 @@ class DistributedDataParallel(_TorchDDP):
         if self.endpoint.world_size == 1:
             return
         if self.endpoint.fault_tolerance == "continue":
+            rejoin.prepare_to_join()
             # The gradient jobs first: they tell a replacement that it joins a running job,
             # which then takes a live peer's state instead of rank 0's initial one.
             self._reducer.register_now()
