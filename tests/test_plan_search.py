@@ -299,7 +299,8 @@ def test_a_finalist_slower_on_the_searched_plan_leaves_the_compressed_choice() -
     assert kinds.count("dense") == 2, ran  # the trial and the round on the searched plan
     assert ran[-8:] == [("allgather", 1, "done")] * 8, ran
     policy = replanner.policy
-    assert policy is not None and str(policy.trials.chosen) == "allgather@0.1"
+    chosen = policy.trials.chosen if policy is not None else None
+    assert chosen is not None and chosen.exchange == "allgather", chosen
 
 
 def test_each_chosen_candidate_has_its_own_search() -> None:
@@ -361,7 +362,7 @@ def test_the_explored_ratios_run_one_group_each_then_the_chosen_plan_is_searched
                                              0.05, offsets, GAINS)] * 2)
         if not policy.exploring and len(decision.groups) > 1:
             break
-    assert {ratio for ratio, _ in explored} >= {0.1, 0.01}
+    assert {ratio for ratio, _ in explored} == {0.1}  # the smaller ratios' gains come with it
     assert all(groups == 1 for _, groups in explored), explored
     assert not policy.exploring and len(decision.groups) > 1  # the model's plan, to search
 

@@ -25,9 +25,13 @@ from commd.plan import LinearCost
 
 ASF_WEIGHTS = (0.6, 0.4)  # time, 1/gain — the paper's weights
 EXPLORE_RATIOS = (0.1, 0.01, 0.001)  # their gains fit the gain model, before the first pick
-# run for a round each while exploring: their measured steps give the time against the ratio
-# (the nodes work out the gains of smaller ratios from a larger one's selections)
-TIMED_RATIOS = (0.1, 0.01)
+# Run for a round while exploring: the densest explored ratio only. Its measured step anchors
+# the time against the ratio (below it, the cost model shifted to meet it); the nodes work
+# out the smaller ratios' gains from its selections. A round at a sparser ratio would hold
+# back most of every gradient in the residual, and whatever runs next (the picked, larger
+# ratio, or dense) would send that backlog within a few steps: stale gradients applied at
+# once, and, in a learning-rate warm-up, at a larger rate than they were computed for.
+TIMED_RATIOS = (0.1,)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """A compressed job's choices, round by round: the top-k ratio and what to exchange.
 
-* **Ratio** (``topk:auto``): the first rounds run 0.1 and 0.01, measuring their steps; the
-  nodes report the gains of those and of 0.001 (worked out from the larger ratios'
-  selections, so 0.001 need not run). Then the ratio is picked on the Pareto front of
-  (time, 1/gain) — the time from the cost model (wire and CPU), corrected by what the
-  explored ratios measured. The first solve comes before error feedback's residuals have
-  built up, when every ratio's gain is near 1: where the gains it sees are flatter than
+* **Ratio** (``topk:auto``): the first round runs 0.1, measuring its step; the nodes report
+  its gain and those of 0.01 and 0.001 (worked out from its selections, so they need not
+  run: a round at a sparser ratio would leave a backlog in the residuals that the larger
+  ratio picked next, or dense, sends in a few steps). Then the ratio is picked on the
+  Pareto front of (time, 1/gain) — the time from the cost model (wire and CPU), shifted to
+  meet the steps measured so far. The first solve comes before error feedback's residuals
+  have built up, when every ratio's gain is near 1: where the gains it sees are flatter than
   ``ASSUMED_SLOPE`` it assumes that slope, and solves again once the gains' slope has
   settled (keeping the ratio where the new pick is within ``RESOLVE_KEEP`` of it, so the
   trials and the plan search already run for it stand). Otherwise it is solved again only
