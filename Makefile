@@ -6,7 +6,9 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench bench-all clean install
 
-$(STAMP): pyproject.toml
+# The version lives in commd_protocol/__init__.py (pyproject reads it): a new version
+# reinstalls, so the installed metadata says the same as the source.
+$(STAMP): pyproject.toml protocol/commd_protocol/__init__.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# dev, plus the optional framework extras so their tests run here and in CI

@@ -31,6 +31,7 @@ from commd.daemon.settings import Settings
 from commd.job.measurements import CommSample, IterationRecord
 from commd.job.schedule import make_plan
 from commd.testing.processes import kill_all
+from commd_protocol import __version__
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
 from commd_protocol.status import DaemonStatus, JobState, JobStatus, LatencySummary
@@ -143,7 +144,7 @@ def test_two_jobs_on_two_daemons_scraped_while_they_run(start_daemon) -> None:
             assert value(samples, "commd_jobs_coordinated") == (2 if index == 0 else 0)
             assert value(samples, "commd_peer_handshakes_refused_total") == 0
             assert value(samples, "commd_buffer_handovers_refused_total") == 0
-            assert value(samples, "commd_daemon_info", version="0.1.0", protocol="2",
+            assert value(samples, "commd_daemon_info", version=__version__, protocol="2",
                          backend="gloo") == 1
             for job, exchange in (("m-dense", "allreduce"), ("m-topk", "allgather")):
                 assert value(samples, "commd_job_iterations_total", job=job) >= 12

@@ -3,9 +3,10 @@
 It imports neither torch, uvloop nor cupy; ``commd_client.torch`` holds the PyTorch wrapper.
 """
 
-from commd_protocol import CommdError, CommdTimeout, CommdTypeError, CommdValueError
+from commd_protocol import CommdError, CommdTimeout, CommdTypeError, CommdValueError, __version__
 
 from .client import Client
 
-__all__ = ["Client", "CommdError", "CommdTimeout", "CommdTypeError", "CommdValueError"]
-__version__ = "0.1.0"
+__all__ = [
+    "Client", "CommdError", "CommdTimeout", "CommdTypeError", "CommdValueError", "__version__",
+]

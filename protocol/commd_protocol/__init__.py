@@ -55,6 +55,8 @@ from .peer import (
     RosterEntry,
 )
 
+# The one place the version is stated: pyproject.toml reads it (dynamic), commd and
+# commd_client re-export it, `commd --version` and `commd status` print it.
 __version__ = "0.1.0"
 DEFAULT_PEER_PORT = 29600
 DEFAULT_SOCKET = "/run/commd/commd.sock"
