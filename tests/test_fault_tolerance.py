@@ -20,6 +20,7 @@ import pytest
 
 from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import finish, start_json_worker
+from commd_client import Client, CommdError
 
 from rank_worker import value
 from ranks import daemon_status
@@ -66,13 +67,15 @@ def start(nodes: list[LocalDaemon], tmp_path: Path, iterations: int,
 
 
 def start_one(nodes: list[LocalDaemon], tmp_path: Path, job: str, rank: int,
-              iterations: int, extra: dict[str, Any]) -> subprocess.Popen[str]:
-    """One more rank of ``job`` (a replacement), on node ``rank`` (one rank per node)."""
+              iterations: int, extra: dict[str, Any],
+              per_node: int = 1) -> subprocess.Popen[str]:
+    """One more rank of ``job`` (a replacement), on the node that holds ``rank``."""
     env = {**os.environ, "COMMD_FAULT_TOLERANCE": "continue"}
-    spec = {"job": job, "rank": rank, "world_size": len(nodes), "local_rank": 0,
-            "local_world_size": 1, "coordinator": nodes[0].address,
-            "socket": nodes[rank].socket, "timeout": 60.0, "layers": LAYERS,
-            "iterations": iterations, "progress_dir": str(tmp_path / job), **extra}
+    spec = {"job": job, "rank": rank, "world_size": len(nodes) * per_node,
+            "local_rank": rank % per_node, "local_world_size": per_node,
+            "coordinator": nodes[0].address, "socket": nodes[rank // per_node].socket,
+            "timeout": 60.0, "layers": LAYERS, "iterations": iterations,
+            "progress_dir": str(tmp_path / job), **extra}
     return start_json_worker([sys.executable, WORKER], spec, env=env)
 
 
@@ -203,36 +206,51 @@ def test_a_node_goes_on_without_its_lost_rank(nodes: list[LocalDaemon], tmp_path
     check_survivors(outcome, survivors, lost_at, iterations, 4)
 
 
-def test_a_replacement_rejoins_the_running_job(nodes: list[LocalDaemon], tmp_path: Path) -> None:
-    """Rank 2 dies at iteration 3; a replacement started with its number joins the running
-    job (its Client learns the iteration the job is at) and all three end identical."""
+@pytest.mark.parametrize(("node_count", "per_node", "victim"), [
+    pytest.param(3, 1, 2, id="3x1"),
+    # its node runs on with the other rank, which takes the replacement in
+    pytest.param(2, 2, 3, id="2x2-second-local-rank"),
+    pytest.param(2, 2, 0, id="2x2-rank-0"),
+])
+def test_a_replacement_rejoins_the_running_job(nodes: list[LocalDaemon], tmp_path: Path,
+                                               node_count: int, per_node: int,
+                                               victim: int) -> None:
+    """A rank dies at iteration 3; a replacement started with its number joins the running
+    job (its Client learns the iteration the job is at) and all end identical."""
     iterations, lost_at, hold_at = 12, 3, 6
-    processes = start(nodes, tmp_path, iterations,
-                      {2: {"die_at": lost_at, "die_when": "after_ready"},
-                       0: {"loss_at": lost_at, "hold_at": hold_at},
-                       1: {"loss_at": lost_at, "hold_at": hold_at}})
-    assert processes[2].wait(timeout=60) == 17
+    world = node_count * per_node
+    everyone = list(range(world))
+    survivors = [rank for rank in everyone if rank != victim]
+    processes = start(nodes[:node_count], tmp_path, iterations,
+                      {victim: {"die_at": lost_at, "die_when": "after_ready"},
+                       **{rank: {"loss_at": lost_at, "hold_at": hold_at} for rank in survivors}},
+                      per_node=per_node)
+    assert processes[victim].wait(timeout=60) == 17
     job = next(p.name for p in tmp_path.iterdir() if p.name.startswith("ft-"))
-    replacement = start_one(nodes, tmp_path, job, 2, iterations, {"joiner": True})
-    outcome = results([processes[0], processes[1], replacement])
-    joined = outcome[2]
+    replacement = start_one(nodes[:node_count], tmp_path, job, victim, iterations,
+                            {"joiner": True}, per_node=per_node)
+    outcome = dict(zip([*survivors, victim],
+                       results([*(processes[rank] for rank in survivors), replacement]),
+                       strict=True))
+    joined = outcome[victim]
     assert "error" not in joined, joined
     start_at = joined["joined_at"]
     assert lost_at < start_at <= hold_at
     assert len(joined["digests"]) == iterations - start_at
-    for rank in (0, 1):
+    first = outcome[survivors[0]]
+    for rank in survivors:
         assert "error" not in outcome[rank], outcome[rank]
-        assert outcome[rank]["members"] == [0, 1, 2]
-        assert outcome[rank]["world_sizes"][-1] == 3
+        assert outcome[rank]["members"] == everyone
+        assert outcome[rank]["world_sizes"][-1] == world
         assert outcome[rank]["digests"][start_at:] == joined["digests"]
-    assert outcome[0]["digests"] == outcome[1]["digests"]
+        assert outcome[rank]["digests"] == first["digests"]
     for iteration in range(iterations):
-        digest = outcome[0]["digests"][iteration]
+        digest = first["digests"][iteration]
         if iteration < lost_at or iteration >= start_at:
-            assert digest == expected_digest([0, 1, 2], iteration), iteration
+            assert digest == expected_digest(everyone, iteration), iteration
         elif iteration > lost_at:
-            assert digest == expected_digest([0, 1], iteration), iteration
-    assert joined["members"] == [0, 1, 2] and joined["epochs"][-1] == outcome[0]["epochs"][-1]
+            assert digest == expected_digest(survivors, iteration), iteration
+    assert joined["members"] == everyone and joined["epochs"][-1] == first["epochs"][-1]
 
 
 def test_the_coordinators_daemon_killed_the_next_node_takes_over(
@@ -251,3 +269,65 @@ def test_two_nodes_survive_a_crashed_daemon(nodes: list[LocalDaemon], tmp_path: 
     the survivor's collective says so: a crash, not a split. The survivor goes on alone,
     also when the dead daemon was the coordinator (it takes over for itself)."""
     check_after_kill(kill_a_daemon(nodes[:2], tmp_path, 10, 4, victim), victim, 10, 4)
+
+
+def hostile_replacement(nodes: list[LocalDaemon], job: str, rank: int, local_rank: int,
+                        world_size: int = 4, layers: list[tuple[str, int]] | None = None) -> str:
+    """A replacement on node 1 that does not fit: the words of the CommdError it gets (at
+    its hello or its register)."""
+    with pytest.raises(CommdError) as refused, Client(
+            job=job, rank=rank, world_size=world_size, local_rank=local_rank,
+            local_world_size=2, coordinator=nodes[0].address, socket=nodes[1].socket,
+            timeout=20.0, fault_tolerance="continue") as client:
+        client.register(layers or LAYERS, dtype="float64", op="avg", planner="wfbp")
+    return str(refused.value)
+
+
+def test_replacements_that_do_not_fit_a_running_node_are_refused_alone(
+        nodes: list[LocalDaemon], tmp_path: Path) -> None:
+    """Two nodes of two ranks; rank 3 (node 1's second) dies. Replacements for a live rank,
+    for another slot, with another model or world size, and a second one for rank 3 once
+    the first is in, are each refused alone, named; the job runs on untouched and the
+    right replacement ends identical to the others."""
+    iterations, lost_at, hold_at = 10, 3, 6
+    survivors = [0, 1, 2]
+    processes = start(nodes[:2], tmp_path, iterations,
+                      {3: {"die_at": lost_at, "die_when": "after_ready"},
+                       **{rank: {"loss_at": lost_at, "hold_at": hold_at} for rank in survivors}},
+                      per_node=2)
+    try:
+        assert processes[3].wait(timeout=60) == 17
+        job = next(p.name for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+        live = hostile_replacement(nodes, job, 2, 0)
+        assert "rank 2 of job" in live and "is live" in live
+        assert "was not one of its ranks on this node" in hostile_replacement(nodes, job, 3, 0)
+        other_model = hostile_replacement(nodes, job, 3, 1, layers=[("a", 3000), ("b", 7)])
+        assert "does not fit the running job" in other_model
+        assert "first differing layer is 1" in other_model
+        assert "world_size=5" in hostile_replacement(nodes, job, 3, 1, world_size=5)
+        replacement = start_one(nodes[:2], tmp_path, job, 3, iterations, {"joiner": True},
+                                per_node=2)
+        processes.append(replacement)
+        await_joined(tmp_path / job / "joined", replacement)
+        second = hostile_replacement(nodes, job, 3, 1)
+        assert "rank 3 of job" in second and "is live" in second
+        outcome = results([*(processes[rank] for rank in survivors), replacement])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for record in outcome:
+        assert "error" not in record, record
+        assert record["members"] == [0, 1, 2, 3]
+    joined = outcome[-1]
+    for record in outcome[:-1]:
+        assert record["digests"][joined["joined_at"]:] == joined["digests"]
+
+
+def await_joined(marker: Path, process: subprocess.Popen[str]) -> None:
+    """Until the replacement says it is in (its marker file), with a deadline."""
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert process.poll() is None, "the replacement exited before it joined"
+        assert time.monotonic() < deadline, "the replacement never joined"
+        time.sleep(0.02)  # polling a condition, with a deadline

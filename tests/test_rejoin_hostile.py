@@ -8,10 +8,13 @@ import msgspec
 import pytest
 from test_membership_hostile import JOB, A, B, C, Recorder, formed, join, lose_c, state
 
+from commd.coordinator.coordinator import Coordinator
 from commd_protocol import (
     ErrorCode,
     Layer,
     PeerAbort,
+    PeerFault,
+    PeerJoin,
     PeerPlan,
     PeerReform,
     PeerReformState,
@@ -58,10 +61,55 @@ def test_a_joiner_that_does_not_fit_is_refused_alone(changes: dict[str, object],
     assert (job.epoch, job.nodes) == (1, 2)  # no change began; the others heard nothing
 
 
-def test_a_node_of_the_job_cannot_join_it_again() -> None:
+def ranks_join(ranks: list[int], **changes: object) -> PeerJoin:
+    return msgspec.structs.replace(join(ranks[0]), ranks=ranks, **changes)
+
+
+@pytest.mark.parametrize("claim", [
+    ranks_join([2]),  # drops its own rank
+    ranks_join([1]),  # adds nothing
+    ranks_join([0, 1]),  # rank 0 lives on A
+    ranks_join([1, 2], dtype="float64"),  # another job's shape
+    ranks_join([1, 2], world_size=4),
+])
+def test_a_node_of_the_job_claiming_ranks_it_cannot_add_is_ignored(claim: PeerJoin) -> None:
+    """A node of the running job asks to add ranks (a replacement for a rank it lost): what
+    it cannot add is ignored, with nothing sent (a refusal would fail its live ranks too)
+    and no change begun."""
     coordinator, recorder = resumed_without_c()
-    coordinator.on_message(B, join(2))
-    assert "in the job already" in refusal(recorder.take(), B)
+    coordinator.on_message(B, claim)
+    assert recorder.take() == []
+    (job,) = coordinator.status()
+    assert (job.epoch, job.nodes, len(job.membership_changes)) == (1, 2, 1)
+
+
+def test_a_node_takes_a_replacement_in_at_the_next_change() -> None:
+    """Nodes A (ranks 0, 1) and B (2, 3); A loses rank 0, then asks to take a replacement for
+    it in: a change, and the state comes from rank 1, the lowest rank that was in (never
+    from the replacement itself)."""
+    recorder = Recorder()
+    coordinator = Coordinator(recorder, store_port=lambda host: 29999)
+    coordinator.on_message(A, msgspec.structs.replace(join(0, 4), ranks=[0, 1]))
+    coordinator.on_message(B, msgspec.structs.replace(join(2, 4), ranks=[2, 3]))
+    recorder.take()
+    coordinator.on_message(A, PeerFault(job=JOB, epoch=0, message="rank 0 exited",
+                                        lost_ranks=[0]))
+    assert [type(m) for _, m in recorder.take()] == [PeerReform, PeerReform]
+    coordinator.on_message(A, state(5))
+    coordinator.on_message(B, state(5))
+    resumes = [m for _, m in recorder.take()]
+    assert all(isinstance(m, PeerResume) and m.members == [1, 2, 3] for m in resumes)
+    coordinator.on_message(A, msgspec.structs.replace(join(0, 4), ranks=[0, 1]))
+    reforms = recorder.take()
+    assert [(node, type(m)) for node, m in reforms] == [(A, PeerReform), (B, PeerReform)]
+    assert "rank(s) [0] on node 127.0.0.1 joined" in reforms[0][1].change  # type: ignore[attr-defined]
+    coordinator.on_message(A, state(7, epoch=2))
+    coordinator.on_message(B, state(7, epoch=2))
+    resumes = [m for _, m in recorder.take()]
+    assert len(resumes) == 2
+    for resume in resumes:
+        assert isinstance(resume, PeerResume)
+        assert (resume.members, resume.source, resume.iteration) == ([0, 1, 2, 3], 1, 7)
 
 
 def test_two_joiners_for_one_rank_the_second_is_refused() -> None:

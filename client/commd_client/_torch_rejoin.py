@@ -3,8 +3,9 @@ a live peer, through commd.
 
 The state is one ``torch.save`` of the module's parameters and buffers, every object given to
 ``register_state`` (its ``state_dict()``) and the step the job is at. It travels through two
-short jobs of two ranks, the source (rank 0 there) and the joiner (rank 1): one element for
-its length, then its bytes, four to a float64 (exact: every uint32 is). The source is the
+short jobs of two ranks, the source (rank 0 there) and the joiner (rank 1), on one node or
+two: one element for its length, then its bytes, four to a float64 (exact: every uint32
+is). The source is the
 lowest rank that was in the job before the change; it gives the state from inside its
 ``wait`` for the iteration the joiner completes, when its parameters have had exactly the
 updates the joiner's first step needs.
@@ -15,6 +16,7 @@ only, so a peer cannot make it run code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -43,10 +45,8 @@ def prepare_to_join() -> None:
     first optimizer constructed in a process imports ``torch._dynamo`` (most of a second on a
     small machine), which would otherwise fall inside that wait. Every rank pays it once
     anyway; here it is paid before the others are stopped for the join."""
-    try:
+    with contextlib.suppress(ImportError):  # a torch build without it: nothing to load
         importlib.import_module("torch._dynamo")
-    except ImportError:  # a torch build without it: nothing to load
-        pass
 
 
 def pack(module: torch.nn.Module, states: Mapping[str, Stateful], step: int) -> bytes:
@@ -104,22 +104,24 @@ def load_state(name: str, obj: Stateful, payload: Mapping[str, Any]) -> None:
         obj.load_state_dict(states[name])
 
 
-def _pair(endpoint: Endpoint, epoch: int, joiner: int, role: int) -> Endpoint:
+def _pair(endpoint: Endpoint, epoch: int, joiner: int, role: int, local: bool) -> Endpoint:
     """The endpoint of one transfer job: the source is its rank 0, the joiner its rank 1.
-    They are on different nodes (a joiner comes in on a node that runs no rank of the job)."""
+    ``local``: both are on one node (a replacement for a rank of a node whose other ranks
+    live), so the job is one node's two local ranks; else one rank on each of two nodes."""
     return dataclasses.replace(endpoint, job=f"{endpoint.job}.state{epoch}.{joiner}", rank=role,
-                               world_size=2, local_rank=0, local_world_size=1,
+                               world_size=2, local_rank=role if local else 0,
+                               local_world_size=2 if local else 1,
                                fault_tolerance="fail", min_world_size=1)
 
 
-def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes) -> None:
-    """The source's side: ``blob`` to rank ``joiner``."""
-    _exchange(_pair(endpoint, epoch, joiner, 0), blob)
+def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes, *, local: bool) -> None:
+    """The source's side: ``blob`` to rank ``joiner`` (``local``: on this node)."""
+    _exchange(_pair(endpoint, epoch, joiner, 0, local), blob)
 
 
-def receive(endpoint: Endpoint, epoch: int) -> bytes:
-    """The joiner's side: the source's bytes."""
-    return _exchange(_pair(endpoint, epoch, endpoint.rank, 1), None)
+def receive(endpoint: Endpoint, epoch: int, *, local: bool) -> bytes:
+    """The joiner's side: the source's bytes (``local``: the source is on this node)."""
+    return _exchange(_pair(endpoint, epoch, endpoint.rank, 1, local), None)
 
 
 def _exchange(pair: Endpoint, blob: bytes | None) -> bytes:

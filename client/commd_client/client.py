@@ -88,6 +88,7 @@ class Client:
         self.joined_at = 0  # iterations the job had completed when this rank joined it
         self.joined = False  # this rank joined a running job (fault_tolerance="continue")
         self.state_source = -1  # then: the rank that gives it the training state
+        self.state_source_local = False  # ... from this node
         # fault_tolerance="continue": called inside wait() when ranks join the running job
         self.on_joining: Callable[[Joining], None] | None = None
         self.plan_version = 0  # the merge plan the last iteration ran with
@@ -231,6 +232,7 @@ class Client:
         # A rank that joined a running (tolerant) job starts at the job's iteration.
         self.iteration = self.joined_at = reply.iteration
         self.joined, self.state_source = reply.epoch > 0, reply.source
+        self.state_source_local = reply.source_local
         self.membership.joined(reply)
         self._batch = ReadyBatcher(len(self._sizes))
         self._batch.announce(reply.plan, reply.groups)

@@ -202,7 +202,8 @@ class DistributedDataParallel(_TorchDDP):
             gradients.on_joining = self._give_state
             self.joined_at_step = gradients.joined_at
             if gradients.joined:
-                self._received = rejoin.unpack(rejoin.receive(self.endpoint, gradients.epoch))
+                self._received = rejoin.unpack(rejoin.receive(
+                    self.endpoint, gradients.epoch, local=gradients.state_source_local))
                 rejoin.load_module(self.module, self._received)
                 self._buffers_fresh = True  # the source's, as its last forward left them
                 sync = False
@@ -245,7 +246,7 @@ class DistributedDataParallel(_TorchDDP):
             return
         blob = rejoin.pack(self.module, self._states, notice.iteration)
         for joiner in notice.ranks:
-            rejoin.send(self.endpoint, notice.epoch, joiner, blob)
+            rejoin.send(self.endpoint, notice.epoch, joiner, blob, local=joiner in notice.local)
 
     @property
     def world_size(self) -> int:

@@ -31,6 +31,8 @@ class Formation:
     membership: Membership | None = None
     store_port: int = 0  # where its engines' rendezvous store listens (0: one node)
     joining: set[bytes] = field(default_factory=set)  # nodes joining in the change under way
+    # ranks joining in the change under way on nodes already in the job (replacements)
+    rejoining: set[int] = field(default_factory=set)
     first_round: dict[bytes, int] = field(default_factory=dict)  # a joiner's first report
     plans: list[PeerPlan] = field(default_factory=list)  # the latest decisions, for joiners
     deciding: set[int] = field(default_factory=set)  # rounds whose plan is being decided

@@ -153,6 +153,9 @@ class TolerantCoordination:
     def _admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
         """A node asks to join a running tolerant job (a replacement, or more ranks): it is
         taken in at the next change if it fits, else refused alone; the job runs on."""
+        if node in formation.joins:
+            self._admit_ranks(formation, node, join)
+            return
         problem = _admission_problem(formation, node, join)
         if problem:
             self._refuse(node, join.job, problem, ErrorCode.MISMATCH)
@@ -162,6 +165,33 @@ class TolerantCoordination:
         formation.joining.add(node)
         formation.watch.heard(node, time.monotonic())
         self._reform(formation, f"node {node_name(join)} (ranks {join.ranks[:20]}) joined")
+
+    def _admit_ranks(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
+        """A node of the job asks for replacements of ranks it lost, its other ranks live:
+        they come in at the next change. The node checked them against its live ranks; what
+        does not fit here (ranks it never lost, ranks live elsewhere, another job's shape)
+        is a node claiming what it does not have, ignored: refusing would fail the node's
+        live ranks too, and its replacement's own timeout ends its wait."""
+        current = formation.joins[node]
+        added = sorted(set(join.ranks) - set(current.ranks))
+        problem = ""
+        if not added or not set(current.ranks) <= set(join.ranks):
+            problem = f"ranks {join.ranks[:20]} do not add to its ranks {current.ranks[:20]}"
+        elif any(rank in formation.rank_hosts for rank in added):
+            problem = f"rank(s) {added[:20]} are in the running job already"
+        elif join.world_size != formation.world_size:
+            problem = f"world size {join.world_size}, the running job's is {formation.world_size}"
+        else:
+            problem = describe_difference(current, join)
+        if problem:
+            log.warning("job %s: ignoring node %s's join of more ranks: %s", formation.job,
+                        node_name(current), problem[:300])
+            return
+        formation.forget(current)
+        formation.add(node, msgspec.structs.replace(current, ranks=sorted(join.ranks)))
+        formation.rejoining.update(added)
+        formation.watch.heard(node, time.monotonic())
+        self._reform(formation, f"rank(s) {added[:20]} on node {node_name(current)} joined")
 
     def _on_takeover(self, node: bytes, message: PeerTakeover) -> None:
         """A node of a tolerant job whose coordinator went silent asks this daemon, the
@@ -293,8 +323,9 @@ class TolerantCoordination:
         if formation.replanner is not None:
             formation.replanner.resize(len(order))
         joiners, formation.joining = formation.joining, set()
+        rejoining, formation.rejoining = formation.rejoining, set()
         source = min((rank for node, join in formation.joins.items() if node not in joiners
-                      for rank in join.ranks), default=-1)
+                      for rank in join.ranks if rank not in rejoining), default=-1)
         expect = sorted(round_number * REPORT_EVERY + DECISION_LAG
                         for round_number in {*formation.reports, *formation.deciding}
                         if round_number * REPORT_EVERY + DECISION_LAG >= resume)

@@ -17,7 +17,7 @@ from commd.engines.buffer_ops import BufferOps
 from commd.job import setup as set_up
 from commd.job.members import Members
 from commd.job.pipeline import Pipeline
-from commd.job.state import Epochs, JobContext, Liveness
+from commd.job.state import Epochs, JobContext, Liveness, LocalRank
 from commd.job.tolerant import ResumeError, TolerantPipeline
 from commd_protocol import (
     Done,
@@ -65,6 +65,10 @@ class Tolerant(Protocol):
     def coordinator_host(self) -> str: ...
 
     def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None: ...
+
+    def join_request(self, *, replacements: bool = False) -> PeerJoin: ...
+
+    def welcome(self, member: LocalRank, message: PeerResume) -> None: ...
 
 
 def _pipeline(job: Tolerant) -> TolerantPipeline | None:
@@ -194,7 +198,14 @@ async def on_resume(job: JoiningJob, message: PeerResume) -> None:
         return
     pipeline = _pipeline(job)
     assert pipeline is not None and job.pipeline is not None
+    taken_in = [m for m in job.members.ranks.values()
+                if m.rejoining and m.rank in message.members]
+    order = job.members.in_order()
     try:
+        # Replacements first: the iteration the resume runs counts their gradients.
+        for member in taken_in:
+            if not member.left:
+                pipeline.readmit(order.index(member), member.buffer)
         # Delivers the iteration committed in the old epoch (its Done tells the old epoch).
         pipeline.resume(engine=engine, node_index=message.node_index, nodes=message.nodes,
                         world_size=len(message.members), iteration=message.iteration)
@@ -204,7 +215,35 @@ async def on_resume(job: JoiningJob, message: PeerResume) -> None:
         job.fail(ErrorCode.INVALID, str(exc))
         return
     job.engine, job.setup, job.state = engine, place, JobState.RUNNING
-    _enter(job, message)
+    arrived = [m for m in taken_in if not m.left]
+    _enter(job, message, local_joiners=[m.rank for m in arrived])
+    for member in arrived:
+        job.welcome(member, message)
+    for member in taken_in:
+        if member.left:  # taken in, but gone before the change was through: lost again
+            member.rejoining = False
+            on_local_loss(job, order.index(member), member.rank,
+                          f"replacement rank {member.rank} left before it joined")
+            return
+    ask_to_rejoin(job)  # replacements that registered while the change ran
+
+
+def ask_to_rejoin(job: Tolerant) -> None:
+    """Ask the coordinator to take in the replacements registered here, once this node runs
+    in an epoch without their ranks (the loss each replaces is through: a rank the
+    coordinator still counts cannot be joined), else after the change under way."""
+    pending = [m for m in job.members.ranks.values()
+               if m.rejoining and not m.left and not m.rejoin_asked and m.registration]
+    if not pending or job.state is not JobState.RUNNING or job.epochs.stopping_for:
+        return
+    current = set(job.epochs.members) if job.epochs.epoch else set(range(job.world_size))
+    if any(member.rank in current for member in pending):
+        return
+    for member in pending:
+        member.rejoin_asked = True
+    log.warning("job %s: replacement rank(s) %s registered here; asking to take them in",
+                job.id, sorted(m.rank for m in pending))
+    job.ctx.send_peer(job.coordinator, job.join_request(replacements=True))
 
 
 class JoiningJob(set_up.Starting, Tolerant, Protocol):
@@ -239,10 +278,12 @@ async def _join_running(job: JoiningJob, message: PeerResume) -> None:
         job.on_plan(plan)
 
 
-def _enter(job: Tolerant, message: PeerResume, kind: str = "") -> None:
+def _enter(job: Tolerant, message: PeerResume, kind: str = "",
+           local_joiners: list[int] | None = None) -> None:
     """The node runs in ``message``'s epoch now: record it and say so. ``kind`` for the
     metrics: "joined" when ranks came in (given by a joining node, whose own arrival it is),
-    else "lost"."""
+    else "lost". ``local_joiners``: replacements on this node taken in by the change (they
+    hear of it in their ``Registered``, not here)."""
     change = message.change[:MAX_CHANGE_CHARS]
     epochs = job.epochs
     before = set(epochs.members) if epochs.epoch else set(range(job.world_size))
@@ -252,9 +293,10 @@ def _enter(job: Tolerant, message: PeerResume, kind: str = "") -> None:
         # This node was in the job: its ranks hear of the joiners, the lowest old one
         # gives them the training state.
         notice = Joining(epoch=message.epoch, ranks=joined, iteration=message.iteration,
-                         source=min(before & set(message.members)))
+                         source=min(before & set(message.members)),
+                         local=sorted(local_joiners or []))
         for member in job.members.ranks.values():
-            if not member.left:
+            if not member.left and not member.rejoining:
                 job.ctx.send_client(member.identity, notice)
     epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
     epochs.roster, epochs.taking_over, epochs.crash_seen = message.roster, False, False
@@ -314,5 +356,3 @@ class TakingOver(Tolerant, Protocol):
     """What a takeover needs of the job besides the epochs' own."""
 
     liveness: Liveness
-
-    def join_request(self) -> PeerJoin: ...

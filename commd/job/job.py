@@ -36,6 +36,7 @@ from commd_protocol import (
     Register,
 )
 from commd_protocol.address import split_host_port
+from commd_protocol.agreement import describe_difference
 from commd_protocol.errors import prefixed
 from commd_protocol.status import JobStatus
 
@@ -86,6 +87,9 @@ class Job:
                 if self.members.ranks:
                     self.fail(exc.code, str(exc))
                 raise
+        if self.state in (JobState.RUNNING, JobState.REFORMING) and self.epochs_enabled:
+            # a replacement for a lost local rank; refused alone if it is none (the job runs on)
+            return self.members.replace(identity, hello)
         if self.state is JobState.FAILED:
             self.members.check(hello)  # what made it fail may be the clearer message
         raise JobError(f"job {self.id!r} is already {self.state}; use a new job id for a new run",
@@ -98,6 +102,9 @@ class Job:
             raise JobError("register sent twice", ErrorCode.OUT_OF_ORDER)
         if self.failure is not None:  # a failed job maps nothing more
             raise JobError(self.failure.message, ErrorCode(self.failure.code))
+        if member.rejoining:
+            self._register_replacement(member, message, host_fd)
+            return
         if self.state is not JobState.FORMING:
             raise JobError(f"register but job {self.id!r} is already {self.state}",
                            ErrorCode.OUT_OF_ORDER)
@@ -119,17 +126,56 @@ class Job:
         if self.members.complete:
             self._join()
 
+    def _register_replacement(self, member: LocalRank, message: Register,
+                              host_fd: int | None) -> None:
+        """A replacement's registration: it must match the live ranks here exactly (refused
+        alone, naming the difference, otherwise: the job runs on); then the coordinator is
+        asked to take it in at the next change."""
+        if not message.planner:
+            message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
+        validation.check_register(message, self.ctx,
+                                  several_nodes=self.world_size > self.local_world_size,
+                                  world_size=self.world_size)
+        live = self.members.live_registration()
+        problem = "no live rank of it is left on this node" if live is None \
+            else describe_difference(live, message)
+        if problem:
+            raise JobError(f"rank {member.rank} does not fit the running job {self.id!r}: "
+                           f"{problem}", ErrorCode.MISMATCH)
+        total = sum(layer.size for layer in message.layers)
+        try:
+            self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s, host_fd)
+        except buffers.AttachError as exc:
+            raise JobError(str(exc)) from None
+        member.registration = message
+        epochs.ask_to_rejoin(self)
+
+    def welcome(self, member: LocalRank, message: PeerResume) -> None:
+        """A replacement taken in by the change ``message`` resumed: where the job stands, as
+        a joining node's ranks hear it (and whether the rank giving it the state is here)."""
+        assert self.pipeline is not None and self.setup is not None
+        assert self.last_plan is not None
+        member.rejoining = False
+        reply = replies.registered(self.setup, self.last_plan, self.ops)
+        reply.iteration, reply.epoch = self.pipeline.iteration, self.epochs.epoch
+        reply.members, reply.source = self.epochs.members, message.source
+        reply.source_local = any(m.rank == message.source and not m.left and not m.rejoining
+                                 for m in self.members.ranks.values())
+        member.told_plan, member.told_epoch = self.last_plan.version, self.epochs.epoch
+        self.ctx.send_client(member.identity, reply)
+
     def _join(self) -> None:
         self.state = JobState.JOINING
         self.liveness.joined_at = time.monotonic()
         self.ctx.send_peer(self.coordinator, self.join_request())
 
-    def join_request(self) -> PeerJoin:
+    def join_request(self, *, replacements: bool = False) -> PeerJoin:
         """This node's part of the job, as it asks the coordinator to join (and, when the
-        coordinator of a tolerant job is lost, asks the next one to take over)."""
+        coordinator of a tolerant job is lost, asks the next one to take over; with
+        ``replacements``, as it asks to take in replacements for ranks it lost)."""
         host = self.coordinator_host
         return join_request(self.id, self.world_size, self.members, self.ctx.advertise(host),
-                            self.ctx.peer_address(host))
+                            self.ctx.peer_address(host), replacements=replacements)
 
     # --- starting --------------------------------------------------------------------------------
 
@@ -298,6 +344,8 @@ class Job:
         member.left = True
         if member.segment is not None:  # its memory goes now; the job cannot run on without it
             member.segment.close()
+        if member.rejoining:  # a replacement not taken in yet: no epoch counted it (if the
+            return  # change asked for takes it in, the resume loses it again: epochs.on_resume)
         others = [m for m in self.members.ranks.values() if not m.left]
         if self.epochs_enabled and others and self.pipeline is not None \
                 and self.state in (JobState.RUNNING, JobState.REFORMING):

@@ -18,15 +18,7 @@ class Members:
 
     def check(self, hello: Hello) -> None:
         """JobError (MISMATCH, naming both ranks) when ``hello`` contradicts the ranks here."""
-        first = self._first
-        for name in _SHARED_FIELDS:
-            if getattr(hello, name) != getattr(first, name):
-                raise JobError(
-                    f"rank {hello.rank} (pid {hello.pid}) says {name}={getattr(hello, name)!r} "
-                    f"but rank {first.rank} (pid {first.pid}) said {name}="
-                    f"{getattr(first, name)!r} for job {self.job!r}; every rank must agree",
-                    ErrorCode.MISMATCH,
-                )
+        self._check_shared(hello)
         same = self.ranks.get(hello.local_rank)
         if same is not None:
             raise JobError(
@@ -40,6 +32,37 @@ class Members:
                 f"{same.local_rank}, pid {same.pid}); local rank {hello.local_rank} (pid "
                 f"{hello.pid}) says the same rank: check RANK", ErrorCode.MISMATCH)
 
+    def _check_shared(self, hello: Hello) -> None:
+        first = self._first
+        for name in _SHARED_FIELDS:
+            if getattr(hello, name) != getattr(first, name):
+                raise JobError(
+                    f"rank {hello.rank} (pid {hello.pid}) says {name}={getattr(hello, name)!r} "
+                    f"but rank {first.rank} (pid {first.pid}) said {name}="
+                    f"{getattr(first, name)!r} for job {self.job!r}; every rank must agree",
+                    ErrorCode.MISMATCH,
+                )
+
+    def replace(self, identity: bytes, hello: Hello) -> LocalRank:
+        """A replacement for a local rank that is gone from a running tolerant job (its node
+        runs on with the others): it takes that rank's place, the same rank and local rank.
+        JobError (MISMATCH) when ``hello`` names no gone rank of this node."""
+        self._check_shared(hello)
+        gone = self.ranks.get(hello.local_rank)
+        if gone is None or gone.rank != hello.rank:
+            raise JobError(
+                f"job {self.job!r} runs already, and rank {hello.rank} (local rank "
+                f"{hello.local_rank}) was not one of its ranks on this node: a replacement "
+                "takes a lost rank's place, with its rank and local rank", ErrorCode.MISMATCH)
+        if not gone.left:
+            what = "waits to join" if gone.rejoining else "is live"
+            raise JobError(
+                f"rank {hello.rank} of job {self.job!r} {what} on this node (pid {gone.pid}); "
+                f"a replacement takes only a lost rank's place", ErrorCode.MISMATCH)
+        member = LocalRank(identity, hello.rank, hello.local_rank, hello.pid, rejoining=True)
+        self.ranks[hello.local_rank] = member
+        return member
+
     def add(self, identity: bytes, hello: Hello) -> LocalRank:
         """A new local rank; JobError (MISMATCH) when it contradicts the ones before."""
         self.check(hello)
@@ -52,10 +75,16 @@ class Members:
         return [self.ranks[index] for index in sorted(self.ranks)]
 
     def first_registration(self) -> Register:
-        """The registration of the lowest local rank (every rank agrees with it)."""
-        registration = self.in_order()[0].registration
+        """The registration of the lowest registered local rank (every rank agrees with it;
+        a replacement that has not registered yet may hold a lower place)."""
+        registration = next(r.registration for r in self.in_order() if r.registration)
         assert registration is not None
         return registration
+
+    def live_registration(self) -> Register | None:
+        """The registration of a live rank that is not a replacement waiting to join."""
+        return next((r.registration for r in self.in_order()
+                     if r.registration and not r.left and not r.rejoining), None)
 
     def any_registration(self) -> Register | None:
         return next((r.registration for r in self.ranks.values() if r.registration), None)

@@ -139,6 +139,14 @@ class Readiness:
         self._absent.add(local_index)
         self._fill_absent()
 
+    def present(self, local_index: int) -> None:
+        """A replacement takes the place of a gone local rank: its layers are unmarked until
+        it marks them, from the current iteration on."""
+        self._absent.discard(local_index)
+        row = self._marked[local_index]
+        self._count[row] -= 1
+        row[:] = False
+
     def _fill_absent(self) -> None:
         for index in self._absent:
             row = self._marked[index]

@@ -68,12 +68,15 @@ class Reporter:
 
 
 def join_request(job: str, world_size: int, members: Members, host: str,
-                 peer: str = "") -> PeerJoin:
+                 peer: str = "", *, replacements: bool = False) -> PeerJoin:
     """Every local rank registered: ask the coordinator to let this node join (``host``: the
-    address our engine listens on)."""
+    address our engine listens on). Its ranks are the live ones; with ``replacements``, also
+    the registered replacements for lost ones (a running node asking to take them in)."""
     reg = members.first_registration()
+    ranks = sorted(r.rank for r in members.ranks.values() if not r.left and (
+        not r.rejoining or (replacements and r.registration is not None)))
     return PeerJoin(
-        protocol=PROTOCOL_VERSION, job=job, ranks=sorted(r.rank for r in members.ranks.values()),
+        protocol=PROTOCOL_VERSION, job=job, ranks=ranks,
         world_size=world_size, layers=reg.layers, dtype=reg.dtype, op=reg.op,
         planner=reg.planner, compression=reg.compression, profile=reg.profile, host=host,
         device=reg.device, fault_tolerance=reg.fault_tolerance,

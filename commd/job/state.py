@@ -46,6 +46,10 @@ class LocalRank:
     told_plan: int = 0  # the plan whose groups this rank was last sent (it batches by them)
     told_epoch: int = 0  # the membership epoch this rank was last told (tolerant jobs)
     left: bool = False
+    # fault_tolerance="continue": a replacement for a gone local rank of a running job, until
+    # a change takes it in (``rejoin_asked``: this node has asked the coordinator for it)
+    rejoining: bool = False
+    rejoin_asked: bool = False
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,15 @@ class TolerantPipeline(Pipeline):
         self._group_views = GroupViews(self.buffers)
         self._ready.absent(local_index)
 
+    def readmit(self, local_index: int, buffer: Buffer) -> None:
+        """A replacement takes a gone local rank's place (stopped, before a resume): from
+        the iteration the resume runs, its buffer is reduced and written again, and its
+        layers count as marked only once it marks them."""
+        self._gone.discard(local_index)
+        self.buffers[local_index] = buffer
+        self._group_views = GroupViews(self.buffers)
+        self._ready.present(local_index)
+
     # --- a membership change ---------------------------------------------------------------------
 
     def suspend(self) -> tuple[int, bool]:

@@ -130,6 +130,7 @@ class Registered(_Msg, tag="registered"):
     epoch: int = 0
     members: list[int] | None = None
     source: int = -1  # a joiner: the rank that gives it the training state
+    source_local: bool = False  # ... and that rank is on this node (the transfer is local)
     done_event: bytes = b""  # device jobs: cudaIpcEventHandle_t of the daemon's completion
     # event; recorded before every ``done``, the client's stream waits on it
 
@@ -180,6 +181,7 @@ class Joining(_Msg, tag="joining"):
     ranks: list[int]  # the ranks that joined
     iteration: int
     source: int  # the lowest rank that was in the job before
+    local: list[int] = msgspec.field(default_factory=list)  # the joiners on this node
 
 
 class StatusReply(_Msg, tag="status_reply"):
