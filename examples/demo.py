@@ -1,9 +1,11 @@
 """`make demo`: two commd daemons and four training ranks on this machine.
 
 Node 0 and node 1 are two daemons on 127.0.0.1, each with two local ranks running
-examples/train.py (a small CNN on synthetic data). The demo prints what the ranks do, the
-daemons' view (`commd status`), and stops everything it started; the daemons' logs stay in a
-fresh /tmp/commd-demo-* folder (the last line names them).
+examples/train.py (a small CNN learning a synthetic task). The demo prints the daemons' view
+halfway (`commd status`), then one line per rank: its mean loss per 10 steps (falling), its
+step time and its parameters' checksum; the last lines compare the checksums (equal: the
+ranks hold the same model) and stop everything it started. The daemons' logs stay in a fresh
+/tmp/commd-demo-* folder (the last line names them).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +26,9 @@ from commd.testing.processes import kill_all
 from commd_protocol.status import read_status
 
 HERE = Path(__file__).resolve().parent
+# examples/train.py's lines: one per --log-every steps, and the last one
+_WINDOW = re.compile(r"^rank \d+ step (\d+)/\d+ loss ([\d.]+) \(mean of steps (\d+-\d+)\)")
+_DONE = re.compile(r"^rank \d+ done: .*mean step ([\d.]+) ms.*params checksum (\S+)")
 
 
 def main() -> int:
@@ -52,15 +58,18 @@ def main() -> int:
                 "OMP_NUM_THREADS": "1",
             }
             ranks.append(subprocess.Popen(
-                [sys.executable, str(HERE / "train.py"), "--steps", str(args.steps)],
+                [sys.executable, str(HERE / "train.py"), "--steps", str(args.steps),
+                 "--log-every", "10"],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             ))
-        print(f"[demo] started {world} ranks ({args.ranks_per_node} per node)")
+        print(f"[demo] started {world} ranks ({args.ranks_per_node} per node); each prints "
+              "one line when it is done")
         halfway = threading.Event()
-        printers = [threading.Thread(target=_relay, args=(p, halfway, args.steps // 2))
-                    for p in ranks]
-        for printer in printers:
-            printer.start()
+        outputs: list[list[str]] = [[] for _ in ranks]
+        readers = [threading.Thread(target=_collect, args=(p, out, halfway, args.steps // 2))
+                   for p, out in zip(ranks, outputs, strict=True)]
+        for reader in readers:
+            reader.start()
         if halfway.wait(timeout=300):
             status = read_status(query(daemons[0].socket))
             print("\n[demo] `commd status` on node 0 while training:")
@@ -73,13 +82,9 @@ def main() -> int:
             print(json.dumps(query(daemons[1].socket)["jobs"], indent=1)[:1500])
             print()
         codes = [p.wait(timeout=600) for p in ranks]
-        for printer in printers:
-            printer.join()
-        if any(codes):
-            print(f"[demo] some ranks failed: exit codes {codes}", file=sys.stderr)
-            return 1
-        print("[demo] all ranks finished; their parameter checksums above agree")
-        return 0
+        for reader in readers:
+            reader.join()
+        return _summarise(outputs, codes)
     finally:
         kill_all(ranks)
         for daemon in daemons:
@@ -90,12 +95,36 @@ def main() -> int:
         print(f"[demo] the daemons' logs are kept: {logs}")
 
 
-def _relay(process: subprocess.Popen[str], halfway: threading.Event, at_step: int) -> None:
+def _collect(process: subprocess.Popen[str], lines: list[str], halfway: threading.Event,
+             at_step: int) -> None:
+    """Keep a rank's lines for its summary; set ``halfway`` once it has logged ``at_step``."""
     assert process.stdout is not None
     for line in process.stdout:
-        print(line, end="", flush=True)
-        if f"step {at_step}/" in line:
+        lines.append(line.rstrip("\n"))
+        window = _WINDOW.match(line)
+        if window and int(window[1]) >= at_step:
             halfway.set()
+
+
+def _summarise(outputs: list[list[str]], codes: list[int]) -> int:
+    """One line per rank (its loss per 10 steps, step time, checksum), then the verdict."""
+    checksums: list[str] = []
+    for rank, (lines, code) in enumerate(zip(outputs, codes, strict=True)):
+        done = next((m for m in map(_DONE.match, lines) if m), None)
+        if code or done is None:  # show everything the rank said: the error is in there
+            print(f"[demo] rank {rank} failed (exit code {code}); its output:", file=sys.stderr)
+            print("\n".join(lines), file=sys.stderr)
+            return 1
+        losses = " → ".join(m[2] for m in map(_WINDOW.match, lines) if m)
+        print(f"[demo] rank {rank}: mean loss per 10 steps {losses}; "
+              f"{done[1]} ms a step; params checksum {done[2]}")
+        checksums.append(done[2])
+    if len(set(checksums)) != 1:
+        print(f"[demo] the ranks' parameter checksums differ: {checksums}", file=sys.stderr)
+        return 1
+    print(f"[demo] all {len(checksums)} ranks finished with the same parameters "
+          f"(checksum {checksums[0]})")
+    return 0
 
 
 if __name__ == "__main__":
