@@ -31,6 +31,7 @@ def test_describe_names_the_loops_in_use(monkeypatch: pytest.MonkeyPatch) -> Non
     if native._compiled is None:
         assert native.describe().startswith("numpy (the compiled loops were not built")
         return
+    monkeypatch.setattr(native, "enabled", True)  # as imported without COMMD_NATIVE=0
     assert native.describe().startswith("compiled")
     monkeypatch.setattr(native, "enabled", False)
     assert native.describe() == "numpy (COMMD_NATIVE=0)"
