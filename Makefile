@@ -28,7 +28,7 @@ test: $(STAMP)
 # The compression and DDP tests with the compiled loops switched off (COMMD_NATIVE=0, read by
 # commd/compression/native.py; the ranks and daemons the tests start inherit it): the numpy
 # path a machine without a C compiler runs, end to end. Not part of `make test`: it takes
-# ~5 minutes on the 2-core machine, over the 2 minutes the suite may grow by for it.
+# 3-5 minutes on the 2-core machine, over the 2 minutes the suite may grow by for it.
 PURE_NAMES := compression compressed_pipeline compact_wire fused_select topk_kernels \
 	topk_offline native_loops momentum_correction rank_momentum ratio_pick selection_messages \
 	torch_ddp ddp_dropin ddp_surface ddp_twice ddp_porting
