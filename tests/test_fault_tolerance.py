@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -330,4 +331,79 @@ def await_joined(marker: Path, process: subprocess.Popen[str]) -> None:
     while not marker.exists():
         assert process.poll() is None, "the replacement exited before it joined"
         assert time.monotonic() < deadline, "the replacement never joined"
+        time.sleep(0.02)  # polling a condition, with a deadline
+
+
+@pytest.mark.parametrize(("node_count", "per_node"), [pytest.param(3, 1, id="3x1"),
+                                                      pytest.param(2, 2, id="2x2")])
+@pytest.mark.parametrize("fault", ["daemon", "coordinator", "stop"])
+def test_a_lost_node_is_replaced_and_every_replica_ends_identical(
+        tmp_path: Path, fault: str, node_count: int, per_node: int) -> None:
+    """A node is lost (its daemon killed, the coordinator's daemon killed, or its daemon
+    stopped until the others have dropped it); the survivors train on; then replacements
+    for its ranks start (on a fresh daemon, or on the woken one once its old ranks are
+    gone) and join: every replica ends every iteration since with the same averages."""
+    iterations, strike_at, join_at = 14, 4, 8
+    world = node_count * per_node
+    everyone = list(range(world))
+    lost_node = 0 if fault == "coordinator" else node_count - 1
+    victims = [rank for rank in everyone if rank // per_node == lost_node]
+    survivors = [rank for rank in everyone if rank not in victims]
+    holds = {rank: {"holds": [[strike_at, "struck"]]} for rank in victims}
+    holds |= {rank: {"holds": [[strike_at, "struck"], [join_at, "joined"]]}
+              for rank in survivors}
+    with daemon_set(tmp_path, node_count, "--peer-timeout-s", str(PEER_TIMEOUT_S)) as nodes:
+        processes = start(nodes, tmp_path, iterations, holds, per_node=per_node)
+        progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+        try:
+            await_files([progress / f"held-{strike_at}-{rank}" for rank in everyone], processes)
+            daemon = nodes[lost_node].process
+            daemon.send_signal(signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+            (progress / "struck").touch()
+            await_files([progress / f"held-{join_at}-{rank}" for rank in survivors], processes)
+            if fault == "stop":  # dropped by now: woken, it tells its ranks, which exit
+                daemon.send_signal(signal.SIGCONT)
+            for rank in victims:
+                processes[rank].wait(timeout=60)
+            host = nodes[lost_node] if fault == "stop" else LocalDaemon(
+                tmp_path, "d-new", "--backend", "gloo", "--peer-timeout-s", str(PEER_TIMEOUT_S))
+            coordinator = nodes[1 if fault == "coordinator" else 0].address
+            try:
+                replacements = [replacement(host, coordinator, progress, rank, world, per_node,
+                                            iterations) for rank in victims]
+                outcome = results([*(processes[rank] for rank in survivors), *replacements])
+            finally:
+                if host is not nodes[lost_node]:
+                    host.stop()
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+    first = outcome[0]
+    for record in outcome:
+        assert "error" not in record and "members" in record, record
+        assert record["members"] == everyone
+        assert record["digests"] == first["digests"][record["joined_at"]:]
+    last_in = max(record["joined_at"] for record in outcome)
+    assert join_at <= last_in < iterations
+    for iteration in range(last_in, iterations):
+        assert first["digests"][iteration] == expected_digest(everyone, iteration), iteration
+
+
+def replacement(host: LocalDaemon, coordinator: str, progress: Path, rank: int, world: int,
+                per_node: int, iterations: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "COMMD_FAULT_TOLERANCE": "continue"}
+    spec = {"job": progress.name, "rank": rank, "world_size": world,
+            "local_rank": rank % per_node, "local_world_size": per_node,
+            "coordinator": coordinator, "socket": host.socket, "timeout": 60.0,
+            "layers": LAYERS, "iterations": iterations, "progress_dir": str(progress),
+            "joiner": True}
+    return start_json_worker([sys.executable, WORKER], spec, env=env)
+
+
+def await_files(paths: list[Path], processes: list[subprocess.Popen[str]]) -> None:
+    """Until every one of ``paths`` exists (ranks at a gate), with a deadline."""
+    deadline = time.monotonic() + 60
+    while not all(path.exists() for path in paths):
+        assert time.monotonic() < deadline, f"never reached: {[str(p) for p in paths]}"
         time.sleep(0.02)  # polling a condition, with a deadline

@@ -17,6 +17,9 @@ from commd_protocol import (
     ErrorCode,
     Layer,
     PeerAbort,
+    PeerPlan,
+    PeerReform,
+    PeerReformState,
     PeerResume,
     PeerTakeover,
     RosterEntry,
@@ -37,6 +40,11 @@ def takeover(rank: int, epoch: int = 2, delivered: int = 8, committing: bool = F
     message = PeerTakeover(job=JOB, epoch=epoch, delivered=delivered, committing=committing,
                            join=part, roster=ROSTER, lost=LOST, plan=3)
     return msgspec.structs.replace(message, **changes)
+
+
+def plan(version: int, effective: int = 0) -> PeerPlan:
+    return PeerPlan(job=JOB, round=version, effective_iteration=effective, version=version,
+                    groups=[[0]], alpha_s=1e-4, beta_s_per_byte=1e-9, predicted_comm_s=0.0)
 
 
 def successor() -> tuple[Coordinator, Recorder]:
@@ -105,6 +113,8 @@ def test_a_minority_cannot_take_over() -> None:
     ({"roster": [RosterEntry(peer="a:1", ranks=[])]}, "a roster entry with ranks []"),
     ({"epoch": -1}, "epoch"),
     ({"delivered": -5}, "delivered"),
+    ({"plans": [plan(v) for v in range(4)]}, "4 plans handed over, at most 3"),
+    ({"plans": [msgspec.structs.replace(plan(1), job="other")]}, "of another job"),
 ])
 def test_a_takeover_that_does_not_fit_is_refused(changes: dict[str, object],
                                                  words: str) -> None:
@@ -149,3 +159,25 @@ def test_one_of_two_takes_over_after_a_crash_it_saw() -> None:
             coordinator.tick(time.monotonic() + TAKEOVER_WAIT_S + 1)
         sent = [m for _, m in recorder.take()]
         assert [type(m) for m in sent] == [PeerResume if resumed else PeerAbort], crash
+
+
+def test_a_joiner_after_a_takeover_gets_the_plan_in_force_the_nodes_handed_over() -> None:
+    """The lost coordinator decided every plan in force; the nodes hand their latest
+    decisions over, and a replacement that joins later is given the one in force at its
+    first iteration and any later one (without it, it could never start)."""
+    coordinator, recorder = successor()
+    handed = [plan(2, effective=4), plan(3, effective=12)]
+    coordinator.on_message(B, takeover(1, delivered=9, plans=handed))
+    coordinator.on_message(C, takeover(2, delivered=9, plans=handed[:1]))
+    assert [type(m) for _, m in recorder.take()] == [PeerResume, PeerResume]
+    coordinator.on_message(D, msgspec.structs.replace(join(0), host="10.0.0.9"))
+    assert [type(m) for _, m in recorder.take()] == [PeerReform] * 3
+    for node in (B, C):
+        coordinator.on_message(node, PeerReformState(job=JOB, epoch=4, delivered=10,
+                                                     committing=False))
+    coordinator.on_message(D, PeerReformState(job=JOB, epoch=4, delivered=0, committing=False,
+                                              joining=True))
+    to_joiner = [m for node, m in recorder.take() if node == D]
+    assert isinstance(to_joiner[0], PeerResume) and to_joiner[0].iteration == 10
+    assert [(m.version, m.effective_iteration) for m in to_joiner[1:]
+            if isinstance(m, PeerPlan)] == [(2, 4), (3, 12)]

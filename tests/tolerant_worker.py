@@ -5,7 +5,9 @@ last JSON line, a digest of every iteration's result with the membership it ran 
 A rank with ``joiner`` set is a replacement started later with a lost rank's number: it
 joins the running job and trains from the iteration the job is at (``Client.joined_at``);
 the others hold before ``hold_at`` until it is in (or until the test creates the file
-``hold_for`` in ``progress_dir``, e.g. once it has killed a daemon).
+``hold_for`` in ``progress_dir``, e.g. once it has killed a daemon). ``holds``, a list of
+``[iteration, file]``, adds more such gates; before each held iteration the rank touches
+``held-<iteration>-<rank>``.
 
 A rank given ``die_at`` vanishes in that iteration without a goodbye (``os._exit``), either
 before marking anything (``die_when="before_ready"``) or after marking every layer
@@ -61,9 +63,13 @@ def main() -> None:
             out["joined_at"] = client.joined_at  # 0, or where a replacement came in
             if spec.get("joiner"):
                 (progress / "joined").touch()
+            gates = {iteration: name for iteration, name in spec.get("holds", [])}
             for iteration in range(client.joined_at, spec["iterations"]):
                 if iteration == spec.get("hold_at"):  # until the replacement is in, or
                     await_file(progress / spec.get("hold_for", "joined"), spec["timeout"])
+                if iteration in gates:
+                    (progress / f"held-{iteration}-{rank}").touch()
+                    await_file(progress / gates[iteration], spec["timeout"])
                 victim = iteration == spec.get("die_at")
                 if victim:
                     (progress / "victim").touch()

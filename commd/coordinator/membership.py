@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from commd_protocol import PeerJoin, PeerReformState, PeerTakeover, RosterEntry
+from commd_protocol import PeerJoin, PeerPlan, PeerReformState, PeerTakeover, RosterEntry
 
 # A surviving daemon answers a reform from its event loop within milliseconds; one that has
 # not answered in this long is taken as lost too (a killed daemon never answers, and its
@@ -58,6 +58,7 @@ class Takeover:
     states: dict[bytes, PeerReformState] = field(default_factory=dict)
     peers: dict[bytes, str] = field(default_factory=dict)  # node -> its peer address
     plan: int = 0  # the highest plan version in force on a node
+    plans: list[PeerPlan] = field(default_factory=list)  # the latest decisions a node holds
 
     def add(self, node: bytes, message: PeerTakeover) -> None:
         self.states[node] = PeerReformState(job=message.job, epoch=message.epoch,
@@ -66,6 +67,9 @@ class Takeover:
         self.peers[node] = message.join.peer
         self.plan = max(self.plan, message.plan)
         self.crash = self.crash and message.crash
+        latest = max((plan.version for plan in message.plans), default=0)
+        if latest > max((plan.version for plan in self.plans), default=0):
+            self.plans = sorted(message.plans, key=lambda plan: plan.effective_iteration)
 
     @property
     def decisive(self) -> bool:

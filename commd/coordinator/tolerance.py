@@ -43,6 +43,8 @@ from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 
 log = logging.getLogger("commd.coordinator")
 
+MAX_PLANS_HANDED_OVER = 3  # a node keeps its latest three decisions (``Job.plans_kept``)
+
 
 class TolerantCoordination:
     """What a coordinator does for its tolerant jobs (mixed into ``Coordinator``)."""
@@ -205,7 +207,8 @@ class TolerantCoordination:
             if not problem:
                 problem = (roster_problem(message.roster, join.world_size, join.world_size)
                            or count_problem("epoch", message.epoch)
-                           or count_problem("delivered", message.delivered))
+                           or count_problem("delivered", message.delivered)
+                           or _plans_problem(message))
             if not problem:
                 problem, code = self._forming_limit(node), ErrorCode.LIMIT
             if problem:
@@ -257,6 +260,7 @@ class TolerantCoordination:
         if self._too_few(formation, change):
             return
         formation.replanner.version = takeover.plan  # its plans come after those in force
+        formation.plans = takeover.plans  # the ones in force, for a node that joins later
         reform = membership.begin(change, time.monotonic())
         reform.states = dict(takeover.states)
         resume = self._resume(formation)
@@ -364,6 +368,16 @@ def _admission_problem(formation: Formation, node: bytes, join: PeerJoin) -> str
     difference = describe_difference(first, join)
     if difference:
         return f"ranks {join.ranks[:20]} differ from the running job: {difference}"
+    return ""
+
+
+def _plans_problem(message: PeerTakeover) -> str:
+    """'' when the decisions a node hands over fit: a few, of this job (their groups are
+    checked by a node that is given them, as every plan is)."""
+    if len(message.plans) > MAX_PLANS_HANDED_OVER:
+        return f"{len(message.plans)} plans handed over, at most {MAX_PLANS_HANDED_OVER}"
+    if any(plan.job != message.job for plan in message.plans):
+        return "a plan handed over is of another job"
     return ""
 
 

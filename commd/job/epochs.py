@@ -348,7 +348,8 @@ def take_over(job: TakingOver, problem: str) -> bool:
     job.ctx.send_peer(successor, PeerTakeover(
         job=job.id, epoch=max(epochs.epoch, epochs.stopping_for), delivered=delivered,
         committing=committing, join=job.join_request(), roster=epochs.roster, lost=lost,
-        plan=pipeline.plan.version if pipeline.plan else 0, crash=epochs.crash_seen))
+        plan=pipeline.plan.version if pipeline.plan else 0, crash=epochs.crash_seen,
+        plans=list(job.plans_kept)))
     return True
 
 
@@ -356,3 +357,4 @@ class TakingOver(Tolerant, Protocol):
     """What a takeover needs of the job besides the epochs' own."""
 
     liveness: Liveness
+    plans_kept: list[PeerPlan]

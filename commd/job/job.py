@@ -59,6 +59,9 @@ class Job:
         self.ops: BufferOps | None = None  # how the data plane touches this job's buffers
         self.reporter: Reporter | None = None
         self.last_plan: PeerPlan | None = None
+        # the latest decisions (``last_plan`` the last): a takeover hands them to the next
+        # coordinator, which gives a later joiner the one in force
+        self.plans_kept: list[PeerPlan] = []
         self.started = time.monotonic()  # the first hello: forming has a deadline (deadlines)
         self.liveness = Liveness()  # the coordinator's messages, the job-wide stall
         self.failed_at = 0.0
@@ -214,6 +217,7 @@ class Job:
             self.fail(ErrorCode.INVALID, f"the coordinator sent a bad plan: {problem}")
             return
         self.last_plan = decision
+        self.plans_kept = [*self.plans_kept[-2:], decision]
         self.pipeline.schedule(
             decision.effective_iteration,
             make_plan(decision.version, decision.groups, self.pipeline.sizes,

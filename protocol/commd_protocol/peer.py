@@ -253,6 +253,9 @@ class PeerTakeover(_Msg, tag="peer_takeover"):
     roster: list[RosterEntry]  # its epoch's nodes
     lost: str  # the silent coordinator's peer address
     plan: int = 0  # the version of the plan in force on it
+    # the latest decisions it holds, oldest first: a node that joins after the takeover needs
+    # the one in force, which only the lost coordinator had sent
+    plans: list[PeerPlan] = msgspec.field(default_factory=list)
     # a collective of this epoch failed on it because a peer closed its connections: a
     # process died (a crash), where a network split would only have gone silent
     crash: bool = False
