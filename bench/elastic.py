@@ -322,6 +322,7 @@ def run_commd(run: Run) -> dict[str, Any]:
         for key, pattern in DAEMON_LINES.items():
             found = first_line_wall(logs, pattern)
             result[key] = None if found is None else found - run.struck_wall
+        result["timeline"] = timeline(run)
         return result
     finally:
         kill_all(processes)
@@ -329,6 +330,57 @@ def run_commd(run: Run) -> dict[str, Any]:
             if daemon.process.poll() is None:
                 os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
             daemon.stop()
+
+
+def timeline(run: Run) -> dict[str, Any]:
+    """Every rank's completed steps against the seconds since the fault (rank 2's: the
+    victim's, then its replacement's), and when the replacement was let in: the picture of
+    a loss and a rejoin (``--plot``)."""
+    ranks = {str(rank): [[record.step, round(record.at - run.struck, 4)]
+                         for record in read_records(run.progress(rank))]
+             for rank in range(WORLD) if run.progress(rank).exists()}
+    go = None if run.go == math.inf else round(run.go - run.struck, 4)
+    return {"ranks": ranks, "replacement_called_s": go}
+
+
+def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
+    """One panel per commd fault, from its first run that went through: each rank's steps
+    against the seconds since the fault, the fault and the replacement's call marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown: dict[str, dict[str, Any]] = {}
+    for outcome in runs:
+        if outcome["system"] == "commd" and "timeline" in outcome:
+            shown.setdefault(outcome["fault"], outcome["timeline"])
+    if not shown:
+        print(f"  no commd run to draw: {path} not written")
+        return
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+    for ax, (fault, line) in zip(axes[0], shown.items(), strict=True):
+        for rank, points in sorted(line["ranks"].items()):
+            steps, seconds = zip(*points, strict=True) if points else ((), ())
+            victim = rank == str(VICTIM)
+            ax.plot(seconds, steps, "." if victim else "-", markersize=2, linewidth=1,
+                    label=f"rank {rank}" + (" (lost, then its replacement)" if victim else ""))
+        ax.axvline(0, color="red", linestyle="--", linewidth=1, label="the fault")
+        if line["replacement_called_s"] is not None:
+            ax.axvline(line["replacement_called_s"], color="green", linestyle=":", linewidth=1,
+                       label="the replacement calls DistributedDataParallel(...)")
+        ax.set_title(FAULT_LABELS.get(fault, fault), fontsize=9)
+        ax.set_xlabel("seconds since the fault")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("steps completed")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.text(0.5, 0.01, "commd, fault_tolerance=\"continue\": 3 nodes × 1 rank on one machine; "
+             "a flat stretch is a pause, a line that goes on is a rank that kept training",
+             ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"  timeline: {path}")
 
 
 def replace(run: Run, daemons: list[LocalDaemon], job: str, env: dict[str, str],
@@ -569,6 +621,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"where the results and provenance go (default {DEFAULT_JSON}); '' for "
                         f"none")
     p.add_argument("--keep-logs", action="store_true", help="keep every run's logs")
+    p.add_argument("--plot", default="", metavar="PNG",
+                   help="draw a loss and a rejoin: each rank's steps against the time since the "
+                        "fault, one panel per commd fault (needs matplotlib)")
     return p
 
 
@@ -662,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{join_words(outcome)} ({time.monotonic() - started:.0f} s)", flush=True)
         save(args.json, result)  # after every run, so a later failure keeps the earlier ones
     save(args.json, result)  # also when nothing ran: what was skipped, and why
+    if args.plot:
+        plot(args.plot, result["runs"])
     print(f"\n{table(result['summary'])}\n\ncommand: {result['provenance']['command']}")
     return 0 if all("error" not in r for r in result["runs"]) else 1
 

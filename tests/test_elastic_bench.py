@@ -130,10 +130,12 @@ def test_commd_loses_no_step_when_a_rank_dies_mid_step_and_takes_a_replacement(
     out = tmp_path / "elastic.json"
     # the survivors train on for a few seconds after the replacement is let in: its join
     # must complete while they do
+    picture = tmp_path / "timeline.png"
     code = bench.main(["--systems", "commd", "--faults", "rank", "--steps", "600", "--kill-at",
                        "4", "--rejoin-at", "8", "--repeats", "1", "--timeout", "120",
-                       "--json", str(out)])
+                       "--json", str(out), "--plot", str(picture)])
     assert code == 0
+    assert picture.stat().st_size > 10_000  # a PNG with the panel drawn
     result = json.loads(out.read_text())
     check_result(result)
     [run] = result["runs"]
@@ -148,6 +150,11 @@ def test_commd_loses_no_step_when_a_rank_dies_mid_step_and_takes_a_replacement(
     assert run["join_pause_s"] is not None
     # the daemons saw the loss after the kill
     assert run["detection_s"] is not None and run["detection_s"] >= 0
+    # the picture's data: every rank's steps from before the fault to the end
+    line = run["timeline"]
+    assert sorted(line["ranks"]) == ["0", "1", "2"] and line["replacement_called_s"] > 0
+    survivor = line["ranks"]["0"]
+    assert survivor[0][1] < 0 < survivor[-1][1] and survivor[-1][0] == 599
     assert result["summary"]["commd"]["rank"]["steps_lost"] == 0
 
 
@@ -189,6 +196,9 @@ def test_the_committed_result() -> None:
         assert run["joined_at_step"] >= settings["rejoin_at"]
         assert run["agree"] is True and len(run["finals"]) == 3
         assert run["join_ddp_s"] > 0 and run["join_first_step_s"] >= run["join_ddp_s"]
+        # the survivors stop for the join itself, not for the replacement's own start-up
+        assert run["join_pause_s"] < run["join_ddp_s"]
+        assert run["timeline"]["replacement_called_s"] > 0
     if "torchft" in result["skipped"]:
         assert "not installed" in result["skipped"]["torchft"]
     else:

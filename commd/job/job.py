@@ -111,17 +111,7 @@ class Job:
         if self.state is not JobState.FORMING:
             raise JobError(f"register but job {self.id!r} is already {self.state}",
                            ErrorCode.OUT_OF_ORDER)
-        if not message.planner:
-            message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
-        validation.check_register(message, self.ctx,
-                                  several_nodes=self.world_size > self.local_world_size,
-                                  world_size=self.world_size)
-        total = sum(layer.size for layer in message.layers)
-        try:
-            self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s, host_fd)
-        except buffers.AttachError as exc:
-            raise JobError(str(exc)) from None
-        member.registration = message
+        self._attach(member, self._checked(message), host_fd)
         problem = self.members.disagreement(member)
         if problem:
             self.fail(ErrorCode.MISMATCH, problem)
@@ -134,24 +124,34 @@ class Job:
         """A replacement's registration: it must match the live ranks here exactly (refused
         alone, naming the difference, otherwise: the job runs on); then the coordinator is
         asked to take it in at the next change."""
-        if not message.planner:
-            message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
-        validation.check_register(message, self.ctx,
-                                  several_nodes=self.world_size > self.local_world_size,
-                                  world_size=self.world_size)
+        message = self._checked(message)
         live = self.members.live_registration()
         problem = "no live rank of it is left on this node" if live is None \
             else describe_difference(live, message)
         if problem:
             raise JobError(f"rank {member.rank} does not fit the running job {self.id!r}: "
                            f"{problem}", ErrorCode.MISMATCH)
+        self._attach(member, message, host_fd)
+        epochs.ask_to_rejoin(self)
+
+    def _checked(self, message: Register) -> Register:
+        """``message`` with the daemon's default planner where it names none; JobError when
+        it does not pass the checks of a registration."""
+        if not message.planner:
+            message = msgspec.structs.replace(message, planner=self.ctx.default_planner)
+        validation.check_register(message, self.ctx,
+                                  several_nodes=self.world_size > self.local_world_size,
+                                  world_size=self.world_size)
+        return message
+
+    def _attach(self, member: LocalRank, message: Register, host_fd: int | None) -> None:
+        """Map the rank's buffer and record its registration."""
         total = sum(layer.size for layer in message.layers)
         try:
             self.ops = buffers.attach(self.ops, member, message, total, self.ctx.timeout_s, host_fd)
         except buffers.AttachError as exc:
             raise JobError(str(exc)) from None
         member.registration = message
-        epochs.ask_to_rejoin(self)
 
     def welcome(self, member: LocalRank, message: PeerResume) -> None:
         """A replacement taken in by the change ``message`` resumed: where the job stands, as
