@@ -52,7 +52,7 @@ logger = logging.getLogger("commd_client")
 _STOCK_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
 
 
-class Accelerator(accelerate.Accelerator):
+class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # accelerate has no types
     """``accelerate.Accelerator`` whose ``prepare`` / ``prepare_model`` wrap with commd's
     ``DistributedDataParallel`` under multi-process CPU training.
 

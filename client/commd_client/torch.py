@@ -361,7 +361,8 @@ class DistributedDataParallel(_TorchDDP):
 
     @property
     def join_device(self) -> torch.device:
-        return self.device
+        device: torch.device = self.device
+        return device
 
     @property
     def join_process_group(self) -> Any:

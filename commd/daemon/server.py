@@ -22,7 +22,8 @@ import zmq.asyncio
 
 import commd
 from commd.compression import native
-from commd.coordinator.coordinator import Coordinator, Deadlines
+from commd.coordinator.coordinator import Coordinator
+from commd.coordinator.formation import Deadlines
 from commd.coordinator.validation import NOT_FOR_A_COORDINATOR, JoinLimits
 from commd.daemon import sdnotify
 from commd.daemon.guard import Guard, planning_aside, serve

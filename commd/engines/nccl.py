@@ -131,9 +131,10 @@ class NcclEngine(Engine):
     def allreduce(self, buffer: Any, dtype: str, op: str = "sum") -> Completion:
         def issue(comm: Any, ops: Any) -> Completion:
             pointer, count = device_pointer(buffer, dtype)
-            return ops.launch("ncclAllReduce", comm.allReduce, pointer, pointer, count,
-                              nccl_dtype(dtype), nccl_op(op), ops.stream_ptr,
-                              **self._guards(comm))
+            launched: Completion = ops.launch(
+                "ncclAllReduce", comm.allReduce, pointer, pointer, count, nccl_dtype(dtype),
+                nccl_op(op), ops.stream_ptr, **self._guards(comm))
+            return launched
 
         return self._issue(issue)
 
@@ -145,8 +146,10 @@ class NcclEngine(Engine):
                 raise EngineError(
                     f"commd: allgather output holds {total} elements, needs {count * self.size}"
                 )
-            return ops.launch("ncclAllGather", comm.allGather, source, target, count,
-                              nccl_dtype(dtype), ops.stream_ptr, **self._guards(comm))
+            launched: Completion = ops.launch(
+                "ncclAllGather", comm.allGather, source, target, count, nccl_dtype(dtype),
+                ops.stream_ptr, **self._guards(comm))
+            return launched
 
         return self._issue(issue)
 
@@ -155,8 +158,10 @@ class NcclEngine(Engine):
             if not 0 <= root < self.size:
                 raise EngineError(f"commd: broadcast root {root} is not a rank of {self.size}")
             pointer, count = device_pointer(buffer, dtype)
-            return ops.launch("ncclBroadcast", comm.bcast, pointer, count, nccl_dtype(dtype),
-                              root, ops.stream_ptr, **self._guards(comm))
+            launched: Completion = ops.launch(
+                "ncclBroadcast", comm.bcast, pointer, count, nccl_dtype(dtype), root,
+                ops.stream_ptr, **self._guards(comm))
+            return launched
 
         return self._issue(issue)
 

@@ -55,7 +55,8 @@ class SelfAttention(nn.Module):
             heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
             attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
         )  # fmt: skip
-        return self.out(ctx.transpose(1, 2).reshape(b, s, h))
+        out: torch.Tensor = self.out(ctx.transpose(1, 2).reshape(b, s, h))
+        return out
 
 
 class EncoderLayer(nn.Module):
@@ -73,7 +74,8 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attn_norm(x + self.drop(self.attn(x, mask)))
         y = self.ffn_out(F.gelu(self.ffn_in(x)))
-        return self.ffn_norm(x + self.drop(y))
+        out: torch.Tensor = self.ffn_norm(x + self.drop(y))
+        return out
 
 
 class Bert(nn.Module):
@@ -120,7 +122,8 @@ class Bert(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         pooled = torch.tanh(self.pooler(x[:, 0]))
-        return self.classifier(self.drop(pooled))
+        logits: torch.Tensor = self.classifier(self.drop(pooled))
+        return logits
 
 
 def bert_base(num_classes: int = 2) -> Bert:

@@ -28,7 +28,8 @@ class SmallCNN(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.features(x), 1))
+        logits: torch.Tensor = self.classifier(torch.flatten(self.features(x), 1))
+        return logits
 
 
 def small_cnn(num_classes: int = 10) -> SmallCNN:

@@ -49,7 +49,8 @@ class VGG(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.avgpool(self.features(x))
-        return self.classifier(torch.flatten(x, 1))
+        logits: torch.Tensor = self.classifier(torch.flatten(x, 1))
+        return logits
 
 
 def vgg16(num_classes: int = 1000) -> VGG:
