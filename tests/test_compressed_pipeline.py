@@ -17,8 +17,11 @@ from polling import until
 
 from commd.compression import exchange
 from commd.compression.topk import CompressionSpec
+from commd.job import replies
+from commd.job.compressed import RELEASE_SHARE
 from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
+from commd.job.state import LocalRank
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -127,8 +130,12 @@ async def test_the_next_group_is_selected_while_the_previous_is_on_the_wire(
     pipeline.stop()
 
 
-async def test_a_compressed_job_that_runs_dense_sends_its_residual(
+async def test_a_compressed_job_that_runs_dense_sends_its_residual_a_share_at_a_time(
         executor: ThreadPoolExecutor) -> None:
+    """What top-k held back goes out with the dense iterations that follow, RELEASE_SHARE of
+    what is left in each, not in one lump (under the DDP wrapper's momentum correction a
+    lump is applied at the full learning rate: the loss jumped at late switches to dense);
+    while it does, the ``done`` reply does not say "dense"."""
     log: list[str] = []
     engine = HeldEngine(log)
     pipeline, buffers, records, failures = make(executor, engine, ["allreduce"] * 3)
@@ -145,14 +152,34 @@ async def test_a_compressed_job_that_runs_dense_sends_its_residual(
     assert compression is not None
     np.testing.assert_allclose(sent + compression.residual, gradient, rtol=1e-6)
     assert np.count_nonzero(compression.residual) > 0  # top-k held most of it back
-    buffers[0][:] = 0  # iteration 1, dense: nothing new, the residual goes out
+    held = gradient - sent
+    buffers[0][:] = 0  # iteration 1, dense: nothing new, a share of the residual goes out
     pipeline.mark(0, [0, 1, 2])
     await until(lambda: len(engine.held) == 4)
-    expected = 2 * (gradient - sent)
     engine.release()
     await until(lambda: len(records) == 2)
-    np.testing.assert_allclose(buffers[0], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(buffers[0], 2 * RELEASE_SHARE * held, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(compression.residual, (1 - RELEASE_SHARE) * held, rtol=1e-5,
+                               atol=1e-6)
+    assert compression.pending and compression.carried
+    assert not replies.done(pipeline, LocalRank(b"rank", 0, 0, 1), 1, pipeline.done_plan).dense
+    released = buffers[0] / 2
+    for iteration in range(2, 2 + compression.release_iterations - 1):  # the rest, in turn
+        buffers[0][:] = 0
+        pipeline.mark(0, [0, 1, 2])
+        await until(lambda i=iteration: len(engine.held) == 3 + i)
+        engine.release()
+        await until(lambda i=iteration: len(records) == i + 1)
+        released += buffers[0] / 2
+    np.testing.assert_allclose(released, held, rtol=1e-4, atol=1e-6)
     assert not compression.residual.any() and not compression.pending
+    buffers[0][:] = 0  # nothing held back any more: a plain dense iteration
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: len(engine.held) == 3 + compression.release_iterations + 1)
+    engine.release()
+    await until(lambda: len(records) == compression.release_iterations + 2)
+    assert not compression.carried
+    assert replies.done(pipeline, LocalRank(b"rank", 0, 0, 1), 1, pipeline.done_plan).dense
     assert failures == []
     pipeline.stop()
 

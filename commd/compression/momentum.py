@@ -16,7 +16,7 @@ from commd.compression.kernels import (
     zero,
 )
 
-__all__ = ["add_momentum"]
+__all__ = ["add_momentum", "release_held"]
 
 
 def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.ndarray,
@@ -63,3 +63,28 @@ def add_momentum(total: np.ndarray, residual: np.ndarray | None, velocity: np.nd
                 np.multiply(held, keep, out=held)
 
     run_parts(velocity.size, work)
+
+
+def release_held(total: np.ndarray, residual: np.ndarray, share: float,
+                 release_all: bool = False) -> None:
+    """A dense group of a compressed job without the daemon's momentum: total += share·residual
+    and residual = (1 − share)·residual, so what top-k held back reaches the sum over the
+    next dense rounds rather than as one lump (with the rank's momentum correction the lump
+    is applied at the learning rate at once: the loss jumped at late switches to dense).
+    ``release_all``: the last such round, total += residual and residual = 0."""
+    check_update(residual, total, "total")
+    dtype = residual.dtype.type
+    keep, release = dtype(1 - share), dtype(share)
+
+    def work(_part: int, lo: int, hi: int) -> None:
+        for start in range(lo, hi, CHUNK):
+            stop = min(hi, start + CHUNK)
+            chunk, held = total[start:stop], residual[start:stop]
+            if release_all:
+                np.add(chunk, held, out=chunk)
+                zero(held)
+                continue
+            chunk += held * release
+            np.multiply(held, keep, out=held)
+
+    run_parts(residual.size, work)

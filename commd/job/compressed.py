@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commd.compression.exchange import GroupExchange
-from commd.compression.momentum import add_momentum
+from commd.compression.momentum import add_momentum, release_held
 from commd.compression.topk import topk_count
 from commd.job.measurements import CommSample, IterationGains
 from commd.job.schedule import Plan
@@ -29,6 +29,12 @@ INDEX_BYTES = 4  # int32 indices travel beside an allgather's values
 LOWER_GAINS_EVERY = 5
 LOWER_GAINS_EARLY = 50
 LOWER_GAINS_SETTLING = 100
+# Without the daemon's momentum, the share of what top-k held back that each dense iteration
+# after compressed ones sends (the rest stays held): the rate momentum 0.9 spreads a
+# gradient at. Sent in the first dense iteration at once, the backlog is many steps' worth
+# of gradient applied in one step (under the DDP wrapper's momentum correction, at the full
+# learning rate), and the loss jumped at the switch.
+RELEASE_SHARE = 0.1
 
 
 def lower_gains_due(iteration: int) -> bool:
@@ -51,8 +57,13 @@ class NodeCompression:
         # momentum correction's velocity u (None: off), kept through dense rounds too
         self.velocity = np.zeros_like(like) if exchange.momentum else None
         # a compressed group ran and what it held back is not all sent yet (dense rounds
-        # send it: at once, or with momentum correction over ``release_iterations``)
+        # send it over ``release_iterations``: RELEASE_SHARE, or with momentum correction
+        # 1 − m, of what is left in each)
         self.pending = False
+        # the last iteration's dense groups sent some of it (the ``done`` reply then does not
+        # say "dense": the DDP wrapper's momentum correction keeps correcting)
+        self.carried = False
+        self._carrying = False
         self.release_iterations = _release_iterations(exchange.momentum)
         self.release_left = 0  # momentum correction: dense iterations left in the release
         self.gains: list[float] = []  # per compressed group of this iteration
@@ -96,16 +107,17 @@ class NodeCompression:
         return self.pending or self.velocity is not None
 
     def flush(self, total: np.ndarray, start: int, stop: int) -> None:
-        """A dense group of a compressed job: what top-k held back is sent with it (and with
-        momentum correction, the velocity instead of the plain sum)."""
+        """A dense group of a compressed job: a share of what top-k held back is sent with
+        it (and with momentum correction, the velocity instead of the plain sum)."""
         residual = self.residual[start:stop]
+        self._carrying = self._carrying or self.pending
         if self.velocity is not None:
             add_momentum(total, residual if self.pending else None,
                          self.velocity[start:stop], self.exchange.momentum,
                          release_all=self.release_left <= 1)
             return
-        np.add(total, residual, out=total)
-        residual[...] = 0
+        if self.pending:
+            release_held(total, residual, RELEASE_SHARE, release_all=self.release_left <= 1)
 
     def _lower(self, elements: int, k: int) -> dict[float, int]:
         """ratio -> top-k count, for the lower ratios whose count is below ``k``."""
@@ -118,16 +130,17 @@ class NodeCompression:
             float(np.mean(self.gains)) if self.gains else 1.0, self.cpu,
             [(ratio, float(np.mean(g))) for ratio, g in sorted(self.lower.items())])
         self.gains, self.cpu, self.lower = [], [], {}
+        self.carried, self._carrying = self._carrying, False
         if self.pending and all(e == "dense" for e in exchanges):
-            # A dense iteration sent every residual, or one more step of the release.
+            # A dense iteration sent one more step of the release (the last: all of it).
             self.release_left -= 1
-            self.pending = self.velocity is not None and self.release_left > 0
+            self.pending = self.release_left > 0
         return gains
 
 
 def _release_iterations(momentum: float, remainder: float = 1e-3) -> int:
-    """Dense iterations over which momentum correction releases what top-k held back: m^j
-    of it is still held after j, and the last sends the rest (``remainder`` or less)."""
-    if momentum <= 0:
-        return 1
-    return max(1, math.ceil(math.log(remainder) / math.log(momentum)))
+    """Dense iterations over which what top-k held back is released: m^j of it (without
+    momentum correction, (1 − RELEASE_SHARE)^j) is still held after j, and the last sends the
+    rest (``remainder`` or less)."""
+    keep = momentum if momentum > 0 else 1 - RELEASE_SHARE
+    return max(1, math.ceil(math.log(remainder) / math.log(keep)))

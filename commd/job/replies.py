@@ -19,10 +19,11 @@ def registered(setup: PeerSetup, decision: PeerPlan, ops: BufferOps | None) -> R
 
 
 def done(pipeline: Pipeline, member: LocalRank, iteration: int, plan: Plan) -> Done:
-    """The reply to a wait: the plan ``iteration`` ran with (and whether it ran dense, which
-    the DDP wrapper's momentum correction reads), and the next iteration's groups if this
-    rank lacks them (it batches its ready marks by them)."""
-    ran = Done(iteration=iteration, plan=plan.version, dense=plan.dense)
+    """The reply to a wait: the plan ``iteration`` ran with (and whether it ran dense and
+    sent nothing top-k had held back, which the DDP wrapper's momentum correction reads), and
+    the next iteration's groups if this rank lacks them (it batches its ready marks by them)."""
+    carried = pipeline.compression is not None and pipeline.compression.carried
+    ran = Done(iteration=iteration, plan=plan.version, dense=plan.dense and not carried)
     upcoming = pipeline.upcoming_plan(iteration + 1)
     if upcoming is None:
         return ran
