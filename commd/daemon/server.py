@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,6 @@ class Daemon:
         self.settings = settings
         self.backend = ""
         self.started = time.time()
-        self.jobs: dict[str, Job] = {}
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._loops: list[asyncio.Task[None]] = []
@@ -98,9 +98,10 @@ class Daemon:
         self._peer_guard = Guard("peer")
         self._buffers = BufferSocket(buffer_socket_path(settings.socket))
         self._new_job = JobFactory(settings, self._executor, self._send_client, self._links.send)
-        self._sessions = ClientSessions(self.jobs, self._new_job, self._send_client,
+        self._sessions = ClientSessions(self._new_job, self._send_client,
                                         self._welcome, self.status, self._buffers,
                                         self._client_guard)
+        self.jobs: Mapping[str, Job] = self._sessions.jobs  # read-only: the sessions own it
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -185,9 +186,7 @@ class Daemon:
     async def cleanup(self) -> None:
         if self._metrics is not None:  # a scrape reads what the rest of cleanup undoes
             await self._metrics.close()
-        for job in list(self.jobs.values()):
-            job.close()
-        self.jobs.clear()
+        self._sessions.close_jobs()
         self._sessions.close()
         self._buffers.close()
         for task in self._tasks:

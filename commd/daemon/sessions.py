@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import msgspec
 import zmq
@@ -60,11 +61,15 @@ class Session:
 
 
 class ClientSessions:
-    def __init__(self, jobs: dict[str, Job], new_job: Callable[[Hello], Job],
+    def __init__(self, new_job: Callable[[Hello], Job],
                  send: SendClient, welcome: Callable[[], Welcome],
                  status: Callable[[], DaemonStatus], buffers: BufferSocket,
                  guard: Guard) -> None:
-        self._jobs = jobs  # the daemon's job table, shared with the peer side
+        # The daemon's job table. A job starts with a rank's hello and ends when its last
+        # rank has gone, both here: the sessions alone add and forget jobs.
+        self._jobs: dict[str, Job] = {}
+        # ... and everything else reads it: the peer side, the clock, the metrics
+        self.jobs: Mapping[str, Job] = MappingProxyType(self._jobs)
         self._buffers = buffers  # host buffers handed over, by token
         self._guard = guard  # the client loop's: counts what went wrong
         self._new_job = new_job
@@ -260,6 +265,12 @@ class ClientSessions:
         fd = self._pidfds.pop(identity, None)
         if fd is not None:
             _unwatch_fd(fd)
+
+    def close_jobs(self) -> None:
+        """Close every job (the daemon's cleanup) and forget them."""
+        for job in list(self._jobs.values()):
+            job.close()
+        self._jobs.clear()
 
     def close(self) -> None:
         """Stop watching every client process."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from commd.coordinator import Coordinator
 from commd.daemon.guard import Guard
@@ -14,7 +15,7 @@ from commd.job import liveness
 from commd.job.job import Job
 
 
-async def tick_forever(period_s: float, jobs: dict[str, Job], sessions: ClientSessions,
+async def tick_forever(period_s: float, jobs: Mapping[str, Job], sessions: ClientSessions,
                        coordinator: Coordinator, links: PeerLinks) -> None:
     guard = Guard("ticker")
     while True:
