@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(150)
 
 TESTS = Path(__file__).resolve().parent
 WORKER = str(TESTS / "elastic_launch_worker.py")
+SPAWN = str(TESTS / "elastic_spawn_worker.py")
 EXAMPLE = TESTS.parent / "examples" / "elastic_train.py"
 STEPS, EPOCHS, CRASH_AT, HOLD_AT, CRASH_RANK = 24, 4, 8, 10, 2
 SUMMARY = re.compile(r"^elastic_train: rank=(\d+) joined_at=(\d+) steps_run=(\d+) counter=(\d+) "
@@ -185,6 +186,37 @@ def test_plain_processes_with_a_restart_by_hand(nodes: list[LocalDaemon],
     assert [done.returncode for done in outcome] == [0, 0, 0], output
     check_outcome([line for done in outcome for line in summaries(done.stdout)], output,
                   restarted=(0,))
+
+
+def test_one_spawn_per_node_loses_its_node_and_a_second_spawn_brings_it_back(
+        daemons: Callable[[int], list[LocalDaemon]], tmp_path: Path) -> None:
+    """Two nodes, each one ``torch.multiprocessing.spawn`` of two ranks: rank 3 crashes, and
+    spawn ends rank 2 too (its own rule), so node 1 is lost whole; node 0 trains on. Running
+    node 1's spawn again brings ranks 2 and 3 back into the running job."""
+    nodes = daemons(2)
+    job = f"elastic-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "crashed"
+
+    def spawn_node(node: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, SPAWN, "2", str(HOLD_AT),
+                                 *options(marker, crash_rank=3)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=node_env(nodes, job, node))
+
+    first = [spawn_node(0), spawn_node(1)]
+    running = list(first)
+    try:
+        lost = finish([first[1]], 90.0)[0]
+        assert lost.returncode != 0 and marker.exists(), lost.stderr[-3000:]
+        running.append(spawn_node(1))
+        outcome = finish([first[0], running[-1]], 120.0)
+    finally:
+        kill_all(running)
+    output = "\n".join(f"--- node {node}\n{done.stdout}{done.stderr[-3000:]}"
+                       for node, done in enumerate(outcome))
+    assert [done.returncode for done in outcome] == [0, 0], output
+    check_outcome([line for done in outcome for line in summaries(done.stdout)], output,
+                  world=4, restarted=(2, 3))
 
 
 def load_example() -> ModuleType:
