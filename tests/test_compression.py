@@ -83,9 +83,9 @@ def test_topk_auto_changes_ratio_at_the_same_iteration_everywhere(start_daemon) 
         assert "error" not in result, result
     plans = [result["plans"] for result in results]
     assert plans[0] == plans[1]
-    # Exploration: 0.1 from iteration 0, 0.01 from 12, the pick from 22 (the nodes worked
-    # out the gain of 0.001 from their selections) — three plan versions, the same everywhere.
-    assert plans[0][0] < plans[0][12] < plans[0][22], plans[0]
+    # Exploration: 0.1 from iteration 0, the pick from 12 (the nodes worked out the gains of
+    # 0.01 and 0.001 from their selections), then what its trials run — the same everywhere.
+    assert plans[0][0] < plans[0][12] <= plans[0][22], plans[0]
     assert len(set(plans[0][:12])) == 1 and len(set(plans[0][12:22])) == 1
 
 
@@ -129,11 +129,15 @@ def test_auto_measures_the_exchanges_and_runs_the_fastest(start_daemon) -> None:
     for result in results:
         assert "error" not in result, result
     assert results[0]["plans"] == results[1]["plans"], (results[0]["plans"], results[1]["plans"])
-    # Whether an iteration ran dense (the DDP wrapper's momentum correction reads it) is the
-    # same on every rank, and each plan version either runs dense or not.
+    # Whether an iteration ran dense and carried nothing top-k had held back (the DDP
+    # wrapper's momentum correction reads it) is the same on every rank. Within a plan
+    # version it never goes back: a compressed one is never dense; a dense one after top-k
+    # is not until the backlog has gone out a share per iteration, and then is.
     assert results[0]["dense"] == results[1]["dense"]
-    by_version = {(v, d) for v, d in zip(results[0]["plans"], results[0]["dense"], strict=True)}
-    assert len(by_version) == len({v for v, _ in by_version}), by_version
+    pairs = list(zip(results[0]["plans"], results[0]["dense"], strict=True))
+    for version in {v for v, _ in pairs}:
+        flags = [d for v, d in pairs if v == version]
+        assert flags == sorted(flags), (version, flags)
     job = results[0]["status"]
     # a failure shows the plan reasons (why trials were re-opened), not the status alone
     reasons = [line for line in nodes[0].log().splitlines() if " plan v" in line]

@@ -27,9 +27,11 @@ the same on every rank (all nodes switch plans at one iteration), and decides wh
 iteration sends: after two dense ones in a row the gradients as they are, uncorrected;
 otherwise the velocities, started again from the buffer's image ``b`` after resting (the
 average of the ranks' velocities there; only their split between ranks is not followed).
-Two, because the first dense round also sends what top-k held back: corrected, that lump is
-applied once (``lr·A``); left in the optimizer's buffer, its momentum would apply it
-1/(1 − m) times (the loss jumped at every switch to dense).
+The daemon says dense only for an iteration that sent none of what top-k held back: it
+releases that a share per dense iteration, and corrected, each share is applied once
+(``lr·A``); left in the optimizer's buffer, its momentum would apply it 1/(1 − m) times
+(the loss jumped at every switch to dense). Two in a row, so that the buffer the optimizer
+goes on from is a velocity that carried none of it.
 
 It switches itself off (and says so once) where the invariant cannot hold: another optimizer
 (Adam keeps its own moments), Nesterov, dampening or maximize, several momenta, not all of
