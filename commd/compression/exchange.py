@@ -44,8 +44,8 @@ from commd.compression.kernels import (
 )
 from commd.compression.topk import TopkScratch
 from commd.engines import Engine
-from commd.engines.base import Completion
 from commd.engines.buffer_ops import INLINE_BYTES
+from commd.engines.completion import Completion
 
 T = TypeVar("T")
 Pairs = tuple[np.ndarray, np.ndarray]  # all nodes' indices and values

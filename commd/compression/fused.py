@@ -103,4 +103,5 @@ def _error_at(positions: np.ndarray, residual: np.ndarray, update: np.ndarray,
     if velocity is not None:
         sped = np.multiply(velocity[positions], velocity.dtype.type(momentum))
         added = np.add(sped, added, out=sped)
-    return np.add(residual[positions], added, out=added)
+    total: np.ndarray = np.add(residual[positions], added, out=added)
+    return total

@@ -280,7 +280,8 @@ def _bounds(run: np.ndarray, starts: np.ndarray) -> list[int]:
     """Where each chunk's part of ascending ``run`` begins (and the end), monotone."""
     found = np.searchsorted(run, starts)
     found[0], found[-1] = 0, run.size  # every index lands in some chunk, checked there
-    return np.maximum.accumulate(found).tolist()
+    bounds: list[int] = np.maximum.accumulate(found).tolist()
+    return bounds
 
 
 def _compiled_pairs(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> bool:

@@ -101,7 +101,8 @@ class GainModel:
         return -self.c1
 
     def gain(self, ratio: float | np.ndarray) -> np.ndarray:
-        return np.minimum(1.0, np.exp(-self.c0) * np.power(ratio, -self.c1))
+        gains: np.ndarray = np.minimum(1.0, np.exp(-self.c0) * np.power(ratio, -self.c1))
+        return gains
 
 
 def steeper_than(model: GainModel, slope: float) -> GainModel:
@@ -165,4 +166,5 @@ def pick_ratio(time_of: Callable[[float], float], model: GainModel,
 def _shortfall(values: np.ndarray) -> np.ndarray:
     """How much worse than the best (smallest) of ``values`` each is, as a fraction of it."""
     best = values.min()
-    return (values - best) / max(abs(best), 1e-30)
+    shortfall: np.ndarray = (values - best) / max(abs(best), 1e-30)
+    return shortfall

@@ -235,7 +235,8 @@ def sample_of(size: int, tuning: TopkTuning, scratch: TopkScratch | None) -> np.
 def _magnitude_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """|values| as unsigned integers ordered like the magnitudes (NaN above +inf)."""
     bits, sign_off, _ = _BITS[values.dtype]
-    return np.bitwise_and(values.view(bits), sign_off, out=out)
+    ordered: np.ndarray = np.bitwise_and(values.view(bits), sign_off, out=out)
+    return ordered
 
 
 def _sample_threshold(error: np.ndarray, k: int, limit: int, scratch: TopkScratch | None,
@@ -330,7 +331,7 @@ def _top_mask(magnitude: np.ndarray, k: int, work: np.ndarray) -> np.ndarray:
     np.copyto(work, magnitude)
     work.partition(size - k)
     kth = work[size - k]
-    chosen = magnitude > kth
+    chosen: np.ndarray = magnitude > kth
     short = k - int(np.count_nonzero(chosen))
     if short:
         chosen[np.flatnonzero(magnitude == kth)[:short]] = True

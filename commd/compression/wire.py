@@ -84,7 +84,8 @@ def pack_take(error: np.ndarray, indices: np.ndarray, out: np.ndarray) -> float:
                          f"{packed_bytes(elements, k)} uint8 for {k} of {elements} elements")
     loops = native.active()
     if loops is not None and native.contiguous(error, indices, out):
-        return loops.pack_take(error, indices, out)
+        packed: float = loops.pack_take(error, indices, out)
+        return packed
     _check_all_ascending(indices, elements)  # take_and_clear's check, chunk by chunk
     counts, lows, bits = _views(out, elements, k)
     values = error[indices]
