@@ -333,14 +333,34 @@ def run_commd(run: Run) -> dict[str, Any]:
 
 
 def timeline(run: Run) -> dict[str, Any]:
-    """Every rank's completed steps against the seconds since the fault (rank 2's: the
-    victim's, then its replacement's), and when the replacement was let in: the picture of
-    a loss and a rejoin (``--plot``)."""
-    ranks = {str(rank): [[record.step, round(record.at - run.struck, 4)]
-                         for record in read_records(run.progress(rank))]
-             for rank in range(WORLD) if run.progress(rank).exists()}
-    go = None if run.go == math.inf else round(run.go - run.struck, 4)
+    """Every rank's completed steps against the seconds since the fault, and when the
+    replacement was let in: the picture of a loss and a rejoin (``--plot``). Per rank, runs
+    of consecutive steps: ``{"from_step": N, "seconds": [...]}`` (rank 2: the victim's, then
+    its replacement's)."""
+    ranks: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(WORLD):
+        if not run.progress(rank).exists():
+            continue
+        segments: list[dict[str, Any]] = []
+        for record in read_records(run.progress(rank)):
+            last = segments[-1] if segments else None
+            if last is None or record.step != last["from_step"] + len(last["seconds"]):
+                last = {"from_step": record.step, "seconds": []}
+                segments.append(last)
+            last["seconds"].append(round(record.at - run.struck, 3))
+        ranks[str(rank)] = segments
+    go = None if run.go == math.inf else round(run.go - run.struck, 3)
     return {"ranks": ranks, "replacement_called_s": go}
+
+
+def points(segments: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """A rank's timeline as (steps, seconds)."""
+    steps: list[int] = []
+    seconds: list[float] = []
+    for segment in segments:
+        steps += range(segment["from_step"], segment["from_step"] + len(segment["seconds"]))
+        seconds += segment["seconds"]
+    return steps, seconds
 
 
 def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
@@ -360,8 +380,8 @@ def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
         return
     fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
     for ax, (fault, line) in zip(axes[0], shown.items(), strict=True):
-        for rank, points in sorted(line["ranks"].items()):
-            steps, seconds = zip(*points, strict=True) if points else ((), ())
+        for rank, segments in sorted(line["ranks"].items()):
+            steps, seconds = points(segments)
             victim = rank == str(VICTIM)
             ax.plot(seconds, steps, "." if victim else "-", markersize=2, linewidth=1,
                     label=f"rank {rank}" + (" (lost, then its replacement)" if victim else ""))
@@ -669,7 +689,15 @@ def save(path: str, result: dict[str, Any]) -> None:
     result["loadavg_end"] = list(os.getloadavg())
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+        Path(path).write_text(compact_lists(json.dumps(result, indent=1)) + "\n")
+
+
+def compact_lists(text: str) -> str:
+    """Indented JSON with every list of plain numbers on one line (a timeline's seconds
+    would take a line each)."""
+    return re.sub(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]",
+                  lambda match: "[" + ", ".join(part.strip() for part in
+                                                match.group(1).split(",")) + "]", text)
 
 
 def main(argv: list[str] | None = None) -> int:

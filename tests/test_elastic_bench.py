@@ -153,8 +153,10 @@ def test_commd_loses_no_step_when_a_rank_dies_mid_step_and_takes_a_replacement(
     # the picture's data: every rank's steps from before the fault to the end
     line = run["timeline"]
     assert sorted(line["ranks"]) == ["0", "1", "2"] and line["replacement_called_s"] > 0
-    survivor = line["ranks"]["0"]
-    assert survivor[0][1] < 0 < survivor[-1][1] and survivor[-1][0] == 599
+    steps, seconds = bench.points(line["ranks"]["0"])
+    assert steps == list(range(600)) and seconds[0] < 0 < seconds[-1]
+    replaced = line["ranks"]["2"]  # the victim's steps, then its replacement's
+    assert len(replaced) == 2 and replaced[1]["from_step"] >= 8
     assert result["summary"]["commd"]["rank"]["steps_lost"] == 0
 
 
