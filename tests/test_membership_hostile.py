@@ -451,6 +451,37 @@ async def test_a_resume_or_reform_out_of_turn_is_ignored(
     assert await client.socket.poll(0) == 0  # nothing was sent to the rank
 
 
+async def test_a_stale_drop_does_not_end_a_later_job_of_the_same_id(
+        daemon: Daemon, connect: Any) -> None:
+    """A node cut off from a running tolerant job is told it was dropped, but that word may
+    arrive only once the link is back, after a replacement has started a job of the same id
+    there: a drop that finds a job still joining is stale and ignored; any other abort
+    still fails it, naming why."""
+    client = connect()
+    buffer = HostBuffer("commd-test-stale-drop", 16)
+    try:
+        welcome = await client.ask(hello(job=JOB, world=2, coordinator=coordinator_of(daemon)))
+        assert welcome["type"] == "welcome", welcome
+        token = await hand_over(daemon, buffer)
+        await client.send({"type": "register", "dtype": "float32", "op": "sum",
+                           "planner": "wfbp", "buffer_token": token,
+                           "layers": [{"name": "w", "size": 4}],
+                           "fault_tolerance": "continue"})
+        await until(lambda: JOB in daemon._coordinator._jobs)  # its join reached it: joining
+        send_to_node(daemon, PeerAbort(job=JOB, code=ErrorCode.RANK_LOST, dropped=True,
+                                       message="commd: job 'tol': this node was dropped"))
+        await still_serving(connect())  # the drop went through the loop before this
+        assert daemon.jobs[JOB].state is JobState.JOINING
+        send_to_node(daemon, PeerAbort(job=JOB, code=ErrorCode.MISMATCH,
+                                       message="commd: job 'tol': refused: layers differ"))
+        told = await client.receive()
+        assert told["type"] == "error" and told["code"] == "mismatch", told
+        assert "refused: layers differ" in told["message"]
+        assert daemon.jobs[JOB].state is JobState.FAILED
+    finally:
+        buffer.close()
+
+
 # --- the codec ----------------------------------------------------------------------------------
 
 
@@ -465,6 +496,7 @@ GOOD: dict[str, dict[str, Any]] = {
     "peer_resume": {"job": JOB, "epoch": 1, "node_index": 0, "nodes": 1, "store_port": 0,
                     "store_prefix": "p", "members": [0], "iteration": 0},
     "peer_fault": {"job": JOB, "epoch": 1, "message": "m", "lost_ranks": [0]},
+    "peer_abort": {"job": JOB, "code": "rank_lost", "message": "m", "dropped": True},
 }
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("peer_reform", {"epoch": "1"}, "$.epoch"),
@@ -482,6 +514,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("peer_fault", {"lost_ranks": list(range(MAX_LOCAL_RANKS + 1))}, "$.lost_ranks"),
     ("peer_fault", {"lost_ranks": ["0"]}, "$.lost_ranks[0]"),
     ("peer_fault", {"message": b"bytes"}, "$.message"),
+    ("peer_abort", {"dropped": "yes"}, "$.dropped"),
+    ("peer_abort", {"dropped": [True]}, "$.dropped"),
 ]
 
 
@@ -499,7 +533,7 @@ def test_a_reform_message_of_the_wrong_shape_is_refused_naming_the_field(
 @pytest.mark.parametrize("tag", sorted(GOOD))
 def test_a_reform_message_missing_a_field_is_refused(tag: str) -> None:
     for name in GOOD[tag]:
-        if name in ("committing", "lost_ranks"):
+        if name in ("committing", "lost_ranks", "dropped"):
             continue  # defaulted
         fields = {k: v for k, v in GOOD[tag].items() if k != name}
         with pytest.raises(ProtocolViolation) as refused:

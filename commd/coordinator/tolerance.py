@@ -92,7 +92,7 @@ class TolerantCoordination:
                     self._send(node, PeerAbort(
                         job=formation.job, code=ErrorCode.RANK_LOST,
                         message=f"commd: job {formation.job!r}: this node was dropped from "
-                                f"the job: {why}"))
+                                f"the job: {why}", dropped=True))
             formation.watch.nodes.pop(node, None)
             formation.joining.discard(node)
             formation.first_round.pop(node, None)

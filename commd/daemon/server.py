@@ -316,8 +316,7 @@ class Daemon:
         elif isinstance(message, PeerStatus):
             liveness.on_status(job, message, time.monotonic())
         elif isinstance(message, PeerAbort):
-            job.fail(ErrorCode(message.code) if message.code in ErrorCode._value2member_map_
-                     else ErrorCode.ENGINE, message.message, tell_coordinator=False)
+            job.on_abort(message)
 
     def _forget_task(self, task: asyncio.Task[None]) -> None:
         with contextlib.suppress(ValueError):

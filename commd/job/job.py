@@ -324,6 +324,19 @@ class Job:
 
     # --- failure and departure -------------------------------------------------------------------
 
+    def on_abort(self, message: PeerAbort) -> None:
+        """The coordinator fails this node's part of the job. A drop (this node fell silent in
+        a running tolerant job) that finds a job still forming or joining was meant for an
+        earlier job of the same id here: queued while the node was cut off, it comes in
+        after the link is back, when a replacement may have started. That one lives on."""
+        if message.dropped and self.state in (JobState.FORMING, JobState.JOINING):
+            log.warning("job %s: ignoring the coordinator's drop of this node's earlier job "
+                        "of the same id: %s", self.id, message.message[:300])
+            return
+        code = ErrorCode(message.code) if message.code in ErrorCode._value2member_map_ \
+            else ErrorCode.ENGINE
+        self.fail(code, message.message, tell_coordinator=False)
+
     def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None:
         """Latch the failure, tell every local rank and (once) the coordinator."""
         if self.state in (JobState.FAILED, JobState.CLOSED):

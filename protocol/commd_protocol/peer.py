@@ -70,6 +70,9 @@ class PeerAbort(_Msg, tag="peer_abort"):
     job: str
     code: str
     message: str
+    # to a node dropped from a running fault_tolerance="continue" job (it fell silent): a
+    # job of that id still forming or joining there is a later one, which it does not end
+    dropped: bool = False
 
 
 class PeerLeave(_Msg, tag="peer_leave"):
