@@ -11,7 +11,11 @@ for the result. The test waits for those files, injects the fault, then touches 
 file: the fault lands in that iteration on every rank, whatever the machine's speed, either
 between two iterations (all held) or while the other ranks wait for the held ones.
 
-The last line of stdout is JSON: ``digests``, ``epochs``, ``world_sizes``, ``members``; on a
+A replacement (started later with a lost rank's number) joins the running job, touches
+``<progress_dir>/joined-<rank>`` and runs from the iteration the job is at (``joined_at``).
+
+The last line of stdout is JSON: ``digests``, ``epochs``, ``world_sizes``, ``members``,
+``joined_at``; on a
 CommdError also ``error``, ``code``, ``error_type`` and ``error_at`` (``time.time()`` when
 it was raised, to compare with the moment of the fault).
 
@@ -50,8 +54,11 @@ def main() -> None:
                     timeout=spec["timeout"], fault_tolerance="continue") as client:
             layers = [(name, size) for name, size in spec["layers"]]
             grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
+            out["joined_at"] = client.joined_at  # 0, or where a replacement came in
+            if client.joined_at:
+                (progress / f"joined-{rank}").touch()
             holds = {hold["at"]: hold for hold in spec["holds"]}
-            for iteration in range(spec["iterations"]):
+            for iteration in range(client.joined_at, spec["iterations"]):
                 hold = holds.get(iteration)
                 held = hold is not None and rank in hold["ranks"]
                 if held and hold is not None:

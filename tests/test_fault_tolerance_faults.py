@@ -118,10 +118,15 @@ def daemons(workdir: Path, layout: Layout, prefixes: Sequence[Sequence[str]] = (
 
 def start(nodes: list[LocalDaemon], layout: Layout, progress: Path,
           holds: list[Hold]) -> list[subprocess.Popen[str]]:
-    job = f"ftf-{uuid.uuid4().hex[:8]}"
     progress.mkdir()
+    return start_ranks(nodes, layout, progress, holds, f"ftf-{uuid.uuid4().hex[:8]}",
+                       layout.everyone)
+
+
+def start_ranks(nodes: list[LocalDaemon], layout: Layout, progress: Path, holds: list[Hold],
+                job: str, ranks: Sequence[int]) -> list[subprocess.Popen[str]]:
     processes = []
-    for rank in layout.everyone:
+    for rank in ranks:
         spec = {"job": job, "rank": rank, "world_size": layout.world_size,
                 "local_rank": rank % layout.per_node, "local_world_size": layout.per_node,
                 "coordinator": nodes[0].address, "socket": nodes[layout.node_of(rank)].socket,
@@ -292,3 +297,75 @@ def test_a_cut_link_is_dropped(tmp_path: Path, when: str, peer_timeout_s: int,
             check_dropped(cut, nodes[-1])
     finally:
         bed.__exit__(None, None, None)
+
+
+REJOIN_AT = 6  # the survivors wait here for the cut-off node's replacements
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_cut_off_node_is_replaced_once_its_link_is_back(tmp_path: Path,
+                                                          layout: Layout) -> None:
+    """The victim's link is cut and its ranks fail; the survivors train on to REJOIN_AT and
+    wait. The link comes back, and replacements for its ranks start on its daemon (the
+    coordinator's word that the node was dropped may come in late: test_membership_hostile
+    checks that it cannot end them). They join, and every replica ends every iteration
+    since identical."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from netbed import NetBed, NetBedUnavailable
+
+    try:
+        bed = NetBed(nodes=layout.nodes, rate=None).__enter__()
+    except NetBedUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    fault = fault_hold(layout, "in_wait")
+    rejoin = {"name": "rejoin", "at": REJOIN_AT, "ranks": layout.survivors}
+    progress = tmp_path / "progress"
+    victim = layout.nodes - 1
+    try:
+        with daemons(tmp_path, layout, [bed.argv(node, []) for node in range(layout.nodes)],
+                     [bed.address(node) for node in range(layout.nodes)]) as nodes:
+            progress.mkdir()
+            job = f"ftf-{uuid.uuid4().hex[:8]}"
+            processes = start_ranks(nodes, layout, progress, [fault, rejoin], job,
+                                    layout.everyone)
+            try:
+                await_hold(progress, fault, layout.everyone, processes)
+                bed.run(victim, ["ip", "link", "set", "eth0", "down"])
+                release(progress, fault)
+                check_dropped(collect(processes[len(layout.survivors):], CLIENT_TIMEOUT_S,
+                                      nodes), nodes[-1])
+                await_hold(progress, rejoin, layout.survivors, processes)
+                bed.run(victim, ["ip", "link", "set", "eth0", "up"])
+                replacements = start_ranks(nodes, layout, progress, [], job, layout.victims)
+                processes += replacements
+                await_files([progress / f"joined-{rank}" for rank in layout.victims],
+                            replacements)
+                release(progress, rejoin)
+                outcome = collect([*processes[:len(layout.survivors)], *replacements], 90,
+                                  nodes)
+            finally:
+                kill_all(processes)
+    finally:
+        bed.__exit__(None, None, None)
+    first = outcome[0]
+    for record in outcome:
+        assert "error" not in record, record
+        assert record["members"] == layout.everyone
+        assert record["digests"] == first["digests"][record["joined_at"]:]
+    assert all(record["joined_at"] == REJOIN_AT for record in outcome[len(layout.survivors):])
+    for iteration in range(REJOIN_AT, ITERATIONS):
+        assert first["digests"][iteration] == expected_digest(layout.everyone, iteration)
+
+
+def await_files(paths: list[Path], processes: list[subprocess.Popen[str]]) -> None:
+    """Until every one of ``paths`` exists, with a deadline; a process that exits first
+    fails the test."""
+    deadline = time.monotonic() + 60
+    while not all(path.exists() for path in paths):
+        exited = [p.args for p in processes if p.poll() is not None]
+        assert not exited, f"exited before it joined: {str(exited)[:300]}"
+        assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths]}"
+        time.sleep(0.02)  # polling a condition, with a deadline
