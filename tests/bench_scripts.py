@@ -1,4 +1,5 @@
-"""Loading a script under bench/ as a module, and checking that it refuses bad options."""
+"""Loading a script (under bench/ or examples/, which are not packages) as a module, and
+checking that it refuses bad options."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ def load_bench_script(filename: str, module_name: str) -> ModuleType:
     script's own imports (``ddp_tasks``), so it shadows nothing of the tests'."""
     if str(BENCH) not in sys.path:
         sys.path.append(str(BENCH))
-    spec = importlib.util.spec_from_file_location(module_name, BENCH / filename)
+    return load_script(BENCH / filename, module_name)
+
+
+def load_script(path: Path, module_name: str) -> ModuleType:
+    """The script at ``path`` imported as ``module_name`` (registered first, as an import
+    would: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(module_name, module)

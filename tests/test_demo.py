@@ -3,7 +3,6 @@ falls), one line per rank instead of one per step, and checksums compared, not j
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import load_script
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 SUMMARY = re.compile(r"^\[demo\] rank (\d): mean loss per 10 steps ([\d.]+) → ([\d.]+) → ([\d.]+); "
@@ -18,11 +18,7 @@ SUMMARY = re.compile(r"^\[demo\] rank (\d): mean loss per 10 steps ([\d.]+) → 
 
 
 def load_demo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("commd_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DEMO, "commd_demo")
 
 
 @pytest.mark.timeout(300)

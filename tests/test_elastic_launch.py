@@ -6,7 +6,6 @@ from a live peer, and every rank ends with the same parameters. Three real daemo
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import load_script
 
 from commd.testing.daemons import LocalDaemon, commd_segments
 from commd.testing.processes import finish, kill_all, run_launchers
@@ -220,11 +220,7 @@ def test_one_spawn_per_node_loses_its_node_and_a_second_spawn_brings_it_back(
 
 
 def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("elastic_train_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "elastic_train_example")
 
 
 @pytest.mark.parametrize(("argv", "named"), [

@@ -276,6 +276,20 @@ def test_a_dropped_node_that_wakes_leaves_the_survivors_alone(tmp_path: Path,
 ])
 def test_a_cut_link_is_dropped(tmp_path: Path, when: str, peer_timeout_s: int,
                                layout: Layout) -> None:
+    with netns_daemons(tmp_path, layout, peer_timeout_s) as (nodes, link):
+        outcome, processes = run_fault(nodes, layout, tmp_path / "progress", when,
+                                       lambda: link("down"))
+        cut = collect(processes[len(layout.survivors):], CLIENT_TIMEOUT_S, nodes)
+        check_survivors(outcome, layout, nodes)
+        check_dropped(cut, nodes[-1])
+
+
+@contextlib.contextmanager
+def netns_daemons(workdir: Path, layout: Layout, peer_timeout_s: float = PEER_TIMEOUT_S
+                  ) -> Iterator[tuple[list[LocalDaemon], Any]]:
+    """A daemon per node, each in its network namespace on one bridge, and ``link(state)``
+    setting the victim's link "down" or "up"; skips where there are no namespaces (not
+    root, or no ``ip``)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -286,15 +300,11 @@ def test_a_cut_link_is_dropped(tmp_path: Path, when: str, peer_timeout_s: int,
     except NetBedUnavailable as exc:
         pytest.skip(f"no network namespaces here: {exc}")
     try:
-        with daemons(tmp_path, layout, [bed.argv(node, []) for node in range(layout.nodes)],
+        with daemons(workdir, layout, [bed.argv(node, []) for node in range(layout.nodes)],
                      [bed.address(node) for node in range(layout.nodes)],
                      peer_timeout_s) as nodes:
-            outcome, processes = run_fault(
-                nodes, layout, tmp_path / "progress", when,
-                lambda: bed.run(layout.nodes - 1, ["ip", "link", "set", "eth0", "down"]))
-            cut = collect(processes[len(layout.survivors):], CLIENT_TIMEOUT_S, nodes)
-            check_survivors(outcome, layout, nodes)
-            check_dropped(cut, nodes[-1])
+            yield nodes, lambda state: bed.run(layout.nodes - 1,
+                                               ["ip", "link", "set", "eth0", state])
     finally:
         bed.__exit__(None, None, None)
 
@@ -311,45 +321,29 @@ def test_a_cut_off_node_is_replaced_once_its_link_is_back(tmp_path: Path,
     coordinator's word that the node was dropped may come in late: test_membership_hostile
     checks that it cannot end them). They join, and every replica ends every iteration
     since identical."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from netbed import NetBed, NetBedUnavailable
-
-    try:
-        bed = NetBed(nodes=layout.nodes, rate=None).__enter__()
-    except NetBedUnavailable as exc:
-        pytest.skip(f"no network namespaces here: {exc}")
     fault = fault_hold(layout, "in_wait")
     rejoin = {"name": "rejoin", "at": REJOIN_AT, "ranks": layout.survivors}
     progress = tmp_path / "progress"
-    victim = layout.nodes - 1
-    try:
-        with daemons(tmp_path, layout, [bed.argv(node, []) for node in range(layout.nodes)],
-                     [bed.address(node) for node in range(layout.nodes)]) as nodes:
-            progress.mkdir()
-            job = f"ftf-{uuid.uuid4().hex[:8]}"
-            processes = start_ranks(nodes, layout, progress, [fault, rejoin], job,
-                                    layout.everyone)
-            try:
-                await_hold(progress, fault, layout.everyone, processes)
-                bed.run(victim, ["ip", "link", "set", "eth0", "down"])
-                release(progress, fault)
-                check_dropped(collect(processes[len(layout.survivors):], CLIENT_TIMEOUT_S,
-                                      nodes), nodes[-1])
-                await_hold(progress, rejoin, layout.survivors, processes)
-                bed.run(victim, ["ip", "link", "set", "eth0", "up"])
-                replacements = start_ranks(nodes, layout, progress, [], job, layout.victims)
-                processes += replacements
-                await_files([progress / f"joined-{rank}" for rank in layout.victims],
-                            replacements)
-                release(progress, rejoin)
-                outcome = collect([*processes[:len(layout.survivors)], *replacements], 90,
-                                  nodes)
-            finally:
-                kill_all(processes)
-    finally:
-        bed.__exit__(None, None, None)
+    with netns_daemons(tmp_path, layout) as (nodes, link):
+        progress.mkdir()
+        job = f"ftf-{uuid.uuid4().hex[:8]}"
+        processes = start_ranks(nodes, layout, progress, [fault, rejoin], job,
+                                layout.everyone)
+        try:
+            await_hold(progress, fault, layout.everyone, processes)
+            link("down")
+            release(progress, fault)
+            check_dropped(collect(processes[len(layout.survivors):], CLIENT_TIMEOUT_S, nodes),
+                          nodes[-1])
+            await_hold(progress, rejoin, layout.survivors, processes)
+            link("up")
+            replacements = start_ranks(nodes, layout, progress, [], job, layout.victims)
+            processes += replacements
+            await_files([progress / f"joined-{rank}" for rank in layout.victims], replacements)
+            release(progress, rejoin)
+            outcome = collect([*processes[:len(layout.survivors)], *replacements], 90, nodes)
+        finally:
+            kill_all(processes)
     first = outcome[0]
     for record in outcome:
         assert "error" not in record, record
