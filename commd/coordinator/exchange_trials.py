@@ -49,13 +49,13 @@ RETRIAL_CHANGE = 0.50  # its step time moved this much …
 RETRIAL_ROUNDS = 3  # … this many rounds in a row: measure every candidate again
 REFERENCE_WEIGHT = 0.3  # rounds within the band refine the reference step (a running mean)
 # The chosen candidate runs this much slower than the runner-up's trial, RETRIAL_ROUNDS
-# rounds in a row: its own trial was a lucky round. Measured again, once per epoch. 20 %
-# was too wide: unshaped, allgather@0.01 won a tie of trials (17.0 against 17.3 ms) and
-# then ran 21 ms where allreduce runs 15.6.
+# rounds in a row: its own trial was a lucky round. Measured again, once per epoch. Kept
+# tighter than the noise of one trial round, so that a tie won by luck is caught while the
+# two candidates' real steps still differ by little (docs/compression.md, exchange trials).
 BEHIND = 0.10
 # A candidate whose model-plan trial measured less than this much above the chosen one's
-# searched step might win with a searched plan too: the most a plan search took off a step in
-# our runs (dense on loopback: 80 → 50 ms).
+# searched step might win with a searched plan too: about the most a plan search takes off
+# a step (a model plan's many groups merged into a few on a latency-bound link).
 SEARCH_GAIN = 0.6
 
 
@@ -191,8 +191,8 @@ class ExchangeTrials:
         replays = [c for c in self._replays if c in predicted]
         if replays:
             return replays[0], f"measuring {replays[0]} again, planned as {self._lender}'s search"
-        # The bar is a candidate's measured step: an explored ratio's round (0.01 on one
-        # group) ran below dense's prediction on loopback while dense would have won.
+        # The bar is a candidate's measured step, not dense's prediction: a measured round
+        # can run below a prediction that the candidate it replaces would still have beaten.
         fastest = min(known.values())
         pending = [c for c in ranked if c not in known
                    and (predicted[c] < fastest or c in must_measure)]

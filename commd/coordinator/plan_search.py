@@ -47,9 +47,9 @@ class Trial:
     overhead_s: float
     groups: int
     step_s: float
-    # the groups the round ran: what is kept is the plan measured, not the overhead alone (the
-    # model's plan for an overhead moves with the profile: a 4-group trial at 51.9 ms came
-    # back as 7 groups, measured 60-64 ms)
+    # the groups the round ran: what is kept is the plan measured, not the overhead alone
+    # (the model's plan for one overhead moves with the profile, so the same overhead may
+    # later give other groups, which were never measured)
     plan: tuple[tuple[int, ...], ...] = ()
 
 

@@ -200,9 +200,9 @@ class Replanner:
             return 0.0
         if self.policy.exploring and candidate.exchange != "dense":
             # `topk:auto`'s explored ratios are compared by their steps, so each runs one
-            # group, the first plan's: 0.01 run as the model's 8 groups measured 81 ms and
-            # 0.1 in one group 80, where one group each runs 51 and 80, and the pick went
-            # to 0.1. The chosen ratio's plan is searched after.
+            # group, the first plan's: run as the model's groups for their ratio, a sparse
+            # ratio pays a start-up per group that one group does not, and its step looks
+            # worse than its ratio makes it. The chosen ratio's plan is searched after.
             return MAX_OVERHEAD_S
         search = self._searches.get(candidate)
         lender = self.policy.trials.lender(candidate)

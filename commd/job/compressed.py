@@ -21,8 +21,9 @@ from commd_protocol.peer import ALLGATHER, ALLREDUCE, REPORT_EVERY
 
 INDEX_BYTES = 4  # int32 indices travel beside an allgather's values
 # Every this many iterations a `topk:auto` job's nodes also work out the gains of the
-# smaller explored ratios from what they selected (a partition of the k values sent, ~20 ns
-# per value here: 51 ms for ResNet-50's 2.56 M at ratio 0.1), while the job explores; then
+# smaller explored ratios from what they selected (a partition of the k values sent, tens of
+# milliseconds for a ResNet-50-sized model at ratio 0.1: too much for every iteration),
+# while the job explores; then
 # once a report round until LOWER_GAINS_SETTLING (the coordinator watches the gains' slope
 # settle round by round after its first solve, compression_policy.py), then ten times less
 # often than at first, to keep the gain model fresh.
