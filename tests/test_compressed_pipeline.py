@@ -81,7 +81,7 @@ FIXED = CompressionSpec(0.1, "auto")
 
 
 def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str],
-         spec: CompressionSpec = FIXED,
+         spec: CompressionSpec = FIXED, ratio: float = 0.1,
          ) -> tuple[Pipeline, list[np.ndarray], list[IterationRecord], list[BaseException]]:
     buffers = [np.zeros(sum(SIZES), np.float32)]
     records: list[IterationRecord] = []
@@ -92,7 +92,7 @@ def make(executor: ThreadPoolExecutor, engine: Any, exchanges: list[str],
         on_failure=failures.append, node_index=0, nodes=2,
         compression=spec,
     )
-    pipeline.schedule(0, make_plan(1, [[2], [1], [0]], SIZES, exchanges, ratio=0.1))
+    pipeline.schedule(0, make_plan(1, [[2], [1], [0]], SIZES, exchanges, ratio=ratio))
     return pipeline, buffers, records, failures
 
 
@@ -178,6 +178,35 @@ async def test_a_compressed_job_that_runs_dense_sends_its_residual_a_share_at_a_
     await until(lambda: len(engine.held) == 3 + compression.release_iterations + 1)
     engine.release()
     await until(lambda: len(records) == compression.release_iterations + 2)
+    assert not compression.carried
+    assert replies.done(pipeline, LocalRank(b"rank", 0, 0, 1), 1, pipeline.done_plan).dense
+    assert failures == []
+    pipeline.stop()
+
+
+async def test_at_ratio_1_nothing_is_held_back_so_dense_follows_at_once(
+        executor: ThreadPoolExecutor) -> None:
+    """At ratio 1 top-k sends every value and holds nothing back: the dense iteration after
+    it has nothing to release, and its ``done`` says dense at once (a release would keep the
+    DDP wrapper's momentum correction going for dozens of iterations)."""
+    log: list[str] = []
+    engine = HeldEngine(log)
+    pipeline, buffers, records, failures = make(executor, engine, ["allreduce"] * 3,
+                                                ratio=1.0)
+    pipeline.schedule(1, make_plan(2, [[0, 1, 2]], SIZES, ["dense"], ratio=1.0))
+    buffers[0][:] = np.random.default_rng(2).standard_normal(buffers[0].size)
+    pipeline.start()
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: len(engine.held) == 3)
+    engine.release()
+    await until(lambda: records)
+    compression = pipeline.compression
+    assert compression is not None
+    assert not compression.residual.any() and not compression.pending
+    pipeline.mark(0, [0, 1, 2])
+    await until(lambda: len(engine.held) == 4)
+    engine.release()
+    await until(lambda: len(records) == 2)
     assert not compression.carried
     assert replies.done(pipeline, LocalRank(b"rank", 0, 0, 1), 1, pipeline.done_plan).dense
     assert failures == []

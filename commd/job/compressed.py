@@ -76,10 +76,11 @@ class NodeCompression:
                   ) -> tuple[float, CommSample]:
         """Group ``index``'s node sum ``total`` exchanged and written back into it; returns
         its gain and the sample of its value collective(s)."""
-        self.pending = True
-        self.release_left = self.release_iterations
         start, stop = plan.spans[index]
         k = topk_count(stop - start, plan.ratio)
+        if k < stop - start:  # something is held back (at ratio 1 nothing is: no release)
+            self.pending = True
+            self.release_left = self.release_iterations
         residual = self.residual[start:stop]
         velocity = None if self.velocity is None else self.velocity[start:stop]
         itemsize = total.itemsize
