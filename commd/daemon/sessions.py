@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -190,6 +191,12 @@ class ClientSessions:
         if refusal:
             raise JobError(refusal, ErrorCode.LIMIT)
         job = self._jobs.get(hello.job)
+        if job is not None:
+            # Ranks of the job that have exited but whose exit the loop has not seen yet: a
+            # launcher restarts a node's ranks only once they are all dead (torchrun does),
+            # and the hello of a restarted one must find them gone, not live.
+            self._settle_exits(job)
+            job = self._jobs.get(hello.job)
         if job is None:
             refusal = self.jobs_share.refusal(uid)
             if refusal:
@@ -209,6 +216,14 @@ class ClientSessions:
         self.sessions_share.take(uid)
         self._watch_pid(identity, hello.pid)
         self._send(identity, self._welcome())
+
+    def _settle_exits(self, job: Job) -> None:
+        """Depart now every session of ``job`` whose process has exited (its pidfd is
+        readable) and that the loop has not handled yet."""
+        for identity, session in list(self._sessions.items()):
+            fd = self._pidfds.get(identity)
+            if session.job is job and fd is not None and _has_exited(fd):
+                self.depart(identity, lost=True)
 
     def _forget(self, job: Job) -> None:
         """Drop ``job`` from the daemon's table (if it is still the one there)."""
@@ -277,6 +292,12 @@ class ClientSessions:
         for fd in list(self._pidfds.values()):
             _unwatch_fd(fd)
         self._pidfds.clear()
+
+
+def _has_exited(pidfd: int) -> bool:
+    """A pidfd is readable once its process has exited."""
+    readable, _, _ = select.select([pidfd], [], [], 0)
+    return bool(readable)
 
 
 def _unwatch_fd(fd: int) -> None:

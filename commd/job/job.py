@@ -363,13 +363,21 @@ class Job:
             member.segment.close()
         if member.rejoining:  # a replacement not taken in yet: no epoch counted it (if the
             return  # change asked for takes it in, the resume loses it again: epochs.on_resume)
-        others = [m for m in self.members.ranks.values() if not m.left]
+        # the node goes on with its live ranks; replacements not yet taken in are not any
+        others = [m for m in self.members.ranks.values() if not m.left and not m.rejoining]
         if self.epochs_enabled and others and self.pipeline is not None \
                 and self.state in (JobState.RUNNING, JobState.REFORMING):
             why = (f"rank {member.rank} (pid {member.pid}) exited without closing its client"
                    if lost else f"rank {member.rank} closed its client")
             index = self.members.in_order().index(member)
             epochs.on_local_loss(self, index, member.rank, why)
+            return
+        waiting = [m.rank for m in self.members.ranks.values() if m.rejoining and not m.left]
+        if waiting and self.state.active:  # nothing left here to take them in
+            self.fail(ErrorCode.RANK_LOST,
+                      f"rank {member.rank}, the last live rank of this node, is gone before "
+                      f"replacement(s) {waiting} were taken in: start them again, and they "
+                      "join as a node of their own")
             return
         if lost and self.state.active:
             self.fail(

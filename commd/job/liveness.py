@@ -64,6 +64,8 @@ def _coordinator_problem(job: Job, now: float, link: str) -> str:
                     "cluster keys differ (or only one of the daemons has one)")
         return (f"no commd daemon answers at {address} (peer port of the coordinator daemon): "
                 "check COMMD_COORDINATOR / MASTER_ADDR and that its daemon runs")
+    if address == job.ctx.peer_address(job.coordinator_host):
+        return ""  # coordinated by this very daemon: if that is stalled, so is this check
     silent = now - max(live.heard_at, live.joined_at)
     if silent > job.ctx.peer_timeout_s:
         return (f"the coordinator daemon at {address} has sent nothing for {silent:.0f}s: it "
