@@ -224,8 +224,8 @@ async def on_resume(job: JoiningJob, message: PeerResume) -> None:
             member.rejoining = False
             on_local_loss(job, order.index(member), member.rank,
                           f"replacement rank {member.rank} left before it joined")
-            return
-    ask_to_rejoin(job)  # replacements that registered while the change ran
+    # replacements that registered while the change ran (none while another change begins)
+    ask_to_rejoin(job)
 
 
 def ask_to_rejoin(job: Tolerant) -> None:
