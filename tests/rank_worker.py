@@ -51,54 +51,82 @@ def await_others(spec: dict[str, Any], iteration: int) -> None:
         time.sleep(0.01)  # polling a condition, with a deadline
 
 
+def record_error(out: dict[str, object], exc: CommdError) -> None:
+    out["error"] = str(exc)
+    out["error_type"] = type(exc).__name__
+    out["code"] = str(exc.code)
+
+
+def hold_until_the_others_failed(spec: dict[str, Any]) -> None:
+    """With ``failed_dir`` and ``hold_for``: stay connected (and alive) until every rank of
+    ``hold_for`` has failed too, so that this rank's own timeout or exit never becomes the
+    others' error: each must meet its own timeout, whatever the machine's load."""
+    folder = spec.get("failed_dir")
+    if not folder:
+        return
+    Path(folder, str(spec["rank"])).touch()
+    deadline = time.monotonic() + spec["timeout"]
+    while not all(Path(folder, str(r)).exists() for r in spec["hold_for"]):
+        if time.monotonic() > deadline:
+            return  # the result is printed; the test judges the others'
+        time.sleep(0.01)  # polling a condition, with a deadline
+
+
+def train(client: Client, spec: dict[str, Any], out: dict[str, Any]) -> None:
+    sleeps = spec.get("backward_sleep_s")  # replay a profile: sleep before each layer's ready
+    layers = [(name, size) for name, size in spec["layers"]]
+    grads = client.register(
+        layers, dtype=spec["dtype"], op=spec["op"], planner=spec.get("planner", "wfbp"),
+        compression=spec.get("compression", "none"),
+    )
+    print(json.dumps({"registered": True, "groups": client.groups,
+                      "nodes": client.nodes}), flush=True)
+    for iteration in range(spec["iterations"]):
+        if iteration == spec.get("die_at"):
+            await_others(spec, iteration - 1)
+            os._exit(17)  # vanish without goodbye, like a crashed trainer
+        for index, (_, size) in enumerate(layers):
+            grads[index][:] = from_float(
+                value(spec["rank"], iteration, index, size), spec["dtype"]
+            )
+        for index in reversed(range(len(layers))):
+            if sleeps:
+                time.sleep(sleeps[index])
+            client.ready(index)
+        client.wait()
+        out["plans"].append(client.plan_version)
+        out["dense"].append(client.ran_dense)
+        if not spec.get("skip_results"):
+            out["iterations"].append(
+                [to_float(g, spec["dtype"]) for g in grads]
+            )
+        if spec.get("progress_dir"):  # tell a rank that waits in await_others
+            Path(spec["progress_dir"], f"{spec['rank']}.{iteration}").touch()
+    if spec.get("status_at_end"):  # the job as the daemon shows it, still running
+        from commd.cli.status import query
+
+        out["status"] = next(j for j in query(spec["socket"])["jobs"]
+                             if j["job"] == spec["job"])
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": [],
                               "dense": []}
-    sleeps = spec.get("backward_sleep_s")  # replay a profile: sleep before each layer's ready
     try:
         with Client(
             job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
             local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
             coordinator=spec["coordinator"], socket=spec["socket"], timeout=spec["timeout"],
         ) as client:
-            layers = [(name, size) for name, size in spec["layers"]]
-            grads = client.register(
-                layers, dtype=spec["dtype"], op=spec["op"], planner=spec.get("planner", "wfbp"),
-                compression=spec.get("compression", "none"),
-            )
-            print(json.dumps({"registered": True, "groups": client.groups,
-                              "nodes": client.nodes}), flush=True)
-            for iteration in range(spec["iterations"]):
-                if iteration == spec.get("die_at"):
-                    await_others(spec, iteration - 1)
-                    os._exit(17)  # vanish without goodbye, like a crashed trainer
-                for index, (_, size) in enumerate(layers):
-                    grads[index][:] = from_float(
-                        value(spec["rank"], iteration, index, size), spec["dtype"]
-                    )
-                for index in reversed(range(len(layers))):
-                    if sleeps:
-                        time.sleep(sleeps[index])
-                    client.ready(index)
-                client.wait()
-                out["plans"].append(client.plan_version)  # type: ignore[union-attr]
-                out["dense"].append(client.ran_dense)  # type: ignore[union-attr]
-                if not spec.get("skip_results"):
-                    out["iterations"].append(  # type: ignore[union-attr]
-                        [to_float(g, spec["dtype"]) for g in grads]
-                    )
-                if spec.get("progress_dir"):  # tell a rank that waits in await_others
-                    Path(spec["progress_dir"], f"{spec['rank']}.{iteration}").touch()
-            if spec.get("status_at_end"):  # the job as the daemon shows it, still running
-                from commd.cli.status import query
-
-                out["status"] = next(j for j in query(spec["socket"])["jobs"]
-                                     if j["job"] == spec["job"])
-    except CommdError as exc:
-        out["error"] = str(exc)
-        out["error_type"] = type(exc).__name__
-        out["code"] = str(exc.code)
+            try:
+                train(client, spec, out)
+            except CommdError as exc:
+                record_error(out, exc)
+                hold_until_the_others_failed(spec)
+    except CommdError as exc:  # before the job formed (nothing to hold), or on closing
+        if "error" not in out:
+            record_error(out, exc)
     print(json.dumps(out), flush=True)
 
 

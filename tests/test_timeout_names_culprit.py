@@ -8,6 +8,7 @@ others' waits are bounded by their own client timeout."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,12 +31,17 @@ CLIENT_TIMEOUT_S = 12.0
 SLACK_S = 30.0  # a loaded 2-core machine: start-up, then the client's own timeout
 
 
-def endless(job: str, nodes: list[Any], ranks_per_node: int) -> JobSpec:
-    """A job that runs until a rank's wait times out; results are not kept."""
+def endless(job: str, nodes: list[Any], ranks_per_node: int, stopped: int,
+            failed_dir: Path) -> JobSpec:
+    """A job that runs until a rank's wait times out; results are not kept. A rank that
+    timed out stays until the others (all but ``stopped``) have too: its exit would
+    otherwise end the job for a rank whose own timeout runs out a moment later."""
     world = len(nodes) * ranks_per_node
+    waiting = [r for r in range(world) if r != stopped]
     return JobSpec(job, nodes, ranks_per_node, LAYERS, iterations=10**6,
                    timeout=CLIENT_TIMEOUT_S,
-                   overrides={r: {"skip_results": True} for r in range(world)})
+                   overrides={r: {"skip_results": True, "failed_dir": str(failed_dir),
+                                  "hold_for": waiting} for r in range(world)})
 
 
 def timeouts_with_one_stopped(processes: list[Any], stopped: int) -> list[dict[str, Any]]:
@@ -51,9 +57,11 @@ def timeouts_with_one_stopped(processes: list[Any], stopped: int) -> list[dict[s
 
 
 @pytest.mark.timeout(240)
-def test_a_timeout_names_a_stopped_rank_on_another_node_and_on_this_one(start_daemon) -> None:
+def test_a_timeout_names_a_stopped_rank_on_another_node_and_on_this_one(
+        start_daemon, tmp_path: Path) -> None:
     nodes = [start_daemon(), start_daemon()]  # defaults: stall_warn_s 60, no stall timeout
-    results = timeouts_with_one_stopped(start_ranks(endless("culprit", nodes, 2)), stopped=3)
+    results = timeouts_with_one_stopped(
+        start_ranks(endless("culprit", nodes, 2, stopped=3, failed_dir=tmp_path)), stopped=3)
     # ranks 0 and 1 on node 0 hear the coordinator's words; rank 2, beside rank 3, its node's
     for result, where in zip(results, ["node 1, 127.0.0.1", "node 1, 127.0.0.1",
                                        "node 1, this node"], strict=True):
@@ -79,10 +87,11 @@ def assert_a_job_runs_exact(nodes: list[Any]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_timeout_names_a_stopped_rank_of_a_one_node_job(start_daemon) -> None:
+def test_a_timeout_names_a_stopped_rank_of_a_one_node_job(start_daemon, tmp_path: Path) -> None:
     node = start_daemon()
-    results = timeouts_with_one_stopped(start_ranks(endless("culprit-local", [node], 2)),
-                                        stopped=1)
+    results = timeouts_with_one_stopped(
+        start_ranks(endless("culprit-local", [node], 2, stopped=1, failed_dir=tmp_path)),
+        stopped=1)
     (result,) = results
     assert result.get("error_type") == "CommdTimeout", result
     assert "rank 1 (node 0, this node) has not marked layer " in result["error"], result
