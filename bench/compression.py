@@ -1,6 +1,6 @@
 """Top-k compression on a network test bed: time per iteration and the exchange commd chooses.
 
-N network namespaces (``bench/netbed.py``: one bridge, ``tc … tbf`` on every node's link),
+N network namespaces (``commd/testing/netbed.py``: one bridge, ``tc … tbf`` on every node's link),
 one ``commd run`` per namespace listening on 10.77.0.<n+1>, and R training ranks per node
 (client processes inside the same namespace). For every rate and every compression mode a
 fresh job all-reduces a model-sized layer list; the ranks time each iteration from their
@@ -29,16 +29,11 @@ error or Ctrl-C. This is a benchmark, not a timed test.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
-import select
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -50,12 +45,12 @@ import numpy as np
 from commd.cli.profile import positive_int
 from commd.compression.topk import parse_compression
 from commd.testing.daemons import LocalDaemon
-from commd.testing.processes import stop_process
+from commd.testing.harness import DaemonHarness, JsonLineWorker
+from commd.testing.netbed import NetBed, NetBedUnavailable, available
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from netbed import NetBed, NetBedUnavailable, available  # noqa: E402
 
 MODES = ("none", "topk:0.01:allgather", "topk:0.01:allreduce", "topk:0.01:auto", "topk:auto")
 RATES = ("none", "1gbit", "100mbit")  # "none": the veth unshaped
@@ -134,61 +129,13 @@ def worker_main(spec: dict[str, Any]) -> int:
 # --- daemons inside namespaces -------------------------------------------------------------------
 
 
-class Rank:
+def start_rank(bed: NetBed, node: int, spec: dict[str, Any], errors: IO[bytes]
+               ) -> JsonLineWorker:
     """One worker process inside its node's namespace, answering with JSON lines."""
-
-    def __init__(self, bed: NetBed, node: int, spec: dict[str, Any], errors: IO[bytes]) -> None:
-        self.rank = spec["rank"]
-        self._errors_path = errors.name
-        self._buffer = b""
-        self.process = bed.popen(
-            node,
-            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            cwd=ROOT,
-            bufsize=0,
-        )
-
-    def receive(self, deadline: float, idle: Any = None) -> dict[str, Any]:
-        """The next JSON line; ``idle()`` is called about four times a second while waiting."""
-        assert self.process.stdout is not None
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"rank {self.rank} did not answer in time:\n{self.errors()}")
-            readable, _, _ = select.select([self.process.stdout], [], [], min(left, 0.25))
-            if not readable:
-                if idle is not None:
-                    idle()
-                continue
-            chunk = os.read(self.process.stdout.fileno(), 65536)
-            if not chunk:
-                self.process.wait()
-                raise RuntimeError(
-                    f"rank {self.rank} exited with {self.process.returncode}:\n{self.errors()}"
-                )
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        if not line.startswith(b"{"):
-            return self.receive(deadline, idle)
-        message = dict(json.loads(line))
-        if "error" in message:
-            raise RuntimeError(f"rank {self.rank}: {message['error']}")
-        return message
-
-    def errors(self) -> str:
-        with contextlib.suppress(OSError):
-            return Path(self._errors_path).read_text(errors="replace")[-3000:]
-        return ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        # EOF: the worker says goodbye and exits (SIGKILL after ``timeout``).
-        stop_process(self.process, grace_s=timeout, close_stdin=True)
-        if self.process.stdout is not None:
-            with contextlib.suppress(OSError):
-                self.process.stdout.close()
+    return JsonLineWorker(
+        f"rank {spec['rank']}",
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], errors,
+        start=functools.partial(bed.popen, node), cwd=ROOT)
 
 
 # --- one job -------------------------------------------------------------------------------------
@@ -241,7 +188,7 @@ def run_job(
     add to the history entries (e.g. the rate in force); it may change the bed's rate.
     """
     world = len(daemons) * args.ranks_per_node
-    ranks: list[Rank] = []
+    ranks: list[JsonLineWorker] = []
     history: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
 
@@ -292,12 +239,12 @@ def run_job(
                 "iterations": iterations,
             }
             with open(workdir / f"{job}-r{rank}.err", "wb") as errors:
-                ranks.append(Rank(bed, node, spec, errors))
+                ranks.append(start_rank(bed, node, spec, errors))
         deadline = time.monotonic() + args.timeout
         for rank_process in ranks:
             rank_process.receive(deadline)
         deadline = time.monotonic() + args.timeout
-        results = [r.receive(deadline, poll if r.rank == 0 else None) for r in ranks]
+        results = [r.receive(deadline, poll if i == 0 else None) for i, r in enumerate(ranks)]
         finals = [job_status(d, job) for d in daemons]  # the ranks still hold the job open
     finally:
         for rank_process in ranks:
@@ -358,47 +305,23 @@ def _break_even(nodes: int, alpha: float, beta: float) -> float | None:
 # --- the whole bench -----------------------------------------------------------------------------
 
 
-class Harness:
+class Harness(DaemonHarness):
     def __init__(self, bed: NetBed, args: argparse.Namespace) -> None:
+        super().__init__("commd-bench-comp-", args.keep_logs)
         self.bed = bed
         self.args = args
-        self.workdir = Path(tempfile.mkdtemp(prefix="commd-bench-comp-"))
         self.tag = uuid.uuid4().hex[:6]
-        self.jobs: list[str] = []
-        self.daemons: list[LocalDaemon] = []
-        self.failed = False
 
     def start(self) -> None:
         for node in range(self.bed.nodes):
-            self.daemons.append(LocalDaemon(
-                self.workdir, f"d{node}", "--backend", "gloo", "--timeout-s",
-                str(self.args.timeout), listen_host=self.bed.address(node),
-                prefix=self.bed.argv(node, [])))
+            self.start_daemon(f"d{node}", "--backend", "gloo", "--timeout-s",
+                              str(self.args.timeout), listen_host=self.bed.address(node),
+                              prefix=self.bed.argv(node, []))
 
     def job_name(self) -> str:
         name = f"bc{self.tag}-{len(self.jobs)}"
         self.jobs.append(name)
         return name
-
-    def close(self) -> list[str]:
-        for daemon in reversed(self.daemons):
-            code = daemon.stop()
-            if code not in (0, -signal.SIGTERM):
-                self.failed = True
-                print(
-                    f"daemon {daemon.name} exited with {code}:\n{daemon.log()[-2000:]}",
-                    file=sys.stderr,
-                )
-        self.daemons.clear()
-        ours = tuple(f"commd-{job}-" for job in self.jobs)
-        leaked = sorted(n for n in os.listdir("/dev/shm") if n.startswith(ours))
-        for name in leaked:
-            Path("/dev/shm", name).unlink(missing_ok=True)
-        if self.args.keep_logs or self.failed:
-            print(f"logs kept in {self.workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-        return leaked
 
 
 def picks_its_ratio(mode: str) -> bool:
@@ -579,24 +502,17 @@ def _num(value: float | None, factor: float, digits: int) -> str:
     return "-" if value is None else f"{value * factor:.{digits}f}"
 
 
-def _network(final: dict[str, Any], pred: dict[str, Any]) -> str:
-    """a, b (the job's fitted all-reduce), α, β (per link) and the predicted exchange times."""
-    return (
-        f"{_num(final.get('alpha_s'), 1e6, 0)} | {_num(final.get('beta_s_per_byte'), 1e9, 3)}"
-        f" | {_num(pred.get('link_alpha_s'), 1e6, 0)} "
-        f"| {_num(pred.get('link_beta_s_per_byte'), 1e9, 3)} "
-        f"| {_num(pred.get('allgather_s'), 1e3, 2)} | {_num(pred.get('allreduce_s'), 1e3, 2)}"
-    )
+def _network(final: dict[str, Any], pred: dict[str, Any]) -> list[str]:
+    return [_num(final.get("alpha_s"), 1e6, 0), _num(final.get("beta_s_per_byte"), 1e9, 3),
+            _num(pred.get("link_alpha_s"), 1e6, 0), _num(pred.get("link_beta_s_per_byte"), 1e9, 3),
+            _num(pred.get("allgather_s"), 1e3, 2), _num(pred.get("allreduce_s"), 1e3, 2)]
 
 
 def _exchanges(final: dict[str, Any]) -> str:
     return ", ".join(f"{n} {k}" for k, n in (final.get("exchange_counts") or {}).items()) or "-"
 
 
-NETWORK_HEADER = (
-    "a µs | b ns/B | α µs | β ns/B | pred. allgather ms | pred. allreduce ms",
-    "---:|---:|---:|---:|---:|---:",
-)
+NETWORK_HEADER = ["a µs", "b ns/B", "α µs", "β ns/B", "pred. allgather ms", "pred. allreduce ms"]
 
 
 def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -607,25 +523,21 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
         f"all layers ready at once; median of the slowest rank's iteration time after the "
         f"warm-up; load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after",
     ]
-    if rows:
-        lines += [
-            "",
-            "| rate | compression | median ms | each repeat ms | p10–p90 ms | groups | ratio | "
-            "exchanges chosen | " + NETWORK_HEADER[0] + " |",
-            "|---|---|---:|---:|---:|---:|---:|---|" + NETWORK_HEADER[1] + "|",
-        ]
+    cells = []
     for row in rows:
         final = row["final"]
         ratio = "-" if row["mode"] == "none" else f"{final.get('ratio') or 0:.3g}"
         chosen = "dense" if row["mode"] == "none" else _exchanges(final)
         if not row["nodes_agree"]:
             chosen += " (nodes DISAGREE)"
-        lines.append(
-            f"| {row['rate']} | {row['mode']} | {row['median_ms']:.1f} | "
-            f"{' / '.join(f'{ms:.1f}' for ms in row['repeat_ms'])} | "
-            f"{row['p10_ms']:.1f}–{row['p90_ms']:.1f} | {row['groups']} | {ratio} | {chosen} | "
-            f"{_network(final, row['prediction'])} |"
-        )
+        cells.append([row["rate"], row["mode"], f"{row['median_ms']:.1f}",
+                      " / ".join(f"{ms:.1f}" for ms in row["repeat_ms"]),
+                      f"{row['p10_ms']:.1f}–{row['p90_ms']:.1f}", row["groups"], ratio, chosen,
+                      *_network(final, row["prediction"])])
+    if rows:
+        lines += ["", markdown_table(
+            ["rate", "compression", "median ms", "each repeat ms", "p10–p90 ms", "groups",
+             "ratio", "exchanges chosen", *NETWORK_HEADER], cells, "llrrrrrl" + "r" * 6)]
     auto = [row for row in rows if "auto" in row["mode"]]
     if auto:
         lines += [
@@ -648,16 +560,13 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
             " iterations (median over each phase after its first report round; exchanges and "
             "network at the end of the phase)",
             "",
-            "| rate | from iteration | median ms | ratio | exchanges | " + NETWORK_HEADER[0] + " |",
-            "|---|---:|---:|---:|---|" + NETWORK_HEADER[1] + "|",
+            markdown_table(
+                ["rate", "from iteration", "median ms", "ratio", "exchanges", *NETWORK_HEADER],
+                [[phase["rate"], phase["from_iteration"], f"{phase['median_ms']:.1f}",
+                  f"{phase['final'].get('ratio') or 0:.3g}", _exchanges(phase["final"]),
+                  *_network(phase["final"], phase["prediction"])]
+                 for phase in live["phases"]], "lrrrl" + "r" * 6),
         ]
-        for phase in live["phases"]:
-            final = phase["final"]
-            lines.append(
-                f"| {phase['rate']} | {phase['from_iteration']} | {phase['median_ms']:.1f} | "
-                f"{final.get('ratio') or 0:.3g} | {_exchanges(final)} | "
-                f"{_network(final, phase['prediction'])} |"
-            )
         lines += ["", f"- plan changes: {_history(live['history'])}"]
     return "\n".join(lines)
 
@@ -678,7 +587,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
     """Each auto row against dense and the better forced exchange of the same run, with the
     verdict of issue 14's target and the noise it is judged against: how far apart one
     mode's jobs ran (the widest spread of repeat medians among dense and the forced rows)."""
-    lines = []
+    cells: list[list[str]] = []
     for rate in dict.fromkeys(row["rate"] for row in rows):
         at = {row["mode"]: row for row in rows if row["rate"] == rate}
         if "none" not in at:
@@ -694,16 +603,16 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
             ms = row["median_ms"]
             # topk:auto is held to dense only: its ratio is its own choice, not the forced rows'
             against = dense if picks_its_ratio(mode) else best
-            lines.append(f"| {rate} | {mode} | {ms / dense:.2f} | {ms / best:.2f} | "
-                         f"{noise * 100:.0f} % | {_verdict(ms / against, noise)} |")
-    if not lines:
+            cells.append([rate, mode, f"{ms / dense:.2f}", f"{ms / best:.2f}",
+                          f"{noise * 100:.0f} %", _verdict(ms / against, noise)])
+    if not cells:
         return []
     return ["", "Auto against dense and against the best of dense and the forced exchanges "
             "(same run; target: topk:R:auto ÷ best, topk:auto ÷ dense ≤ "
             f"{1 + TARGET_OVER:.2f}; noise: the widest spread between one baseline mode's "
             "repeats):", "",
-            "| rate | compression | ÷ dense | ÷ best | noise | target |",
-            "|---|---|---:|---:|---:|---|", *lines]
+            *markdown_table(["rate", "compression", "÷ dense", "÷ best", "noise", "target"],
+                            cells, "llrrrl").splitlines()]
 
 
 def _spread(repeat_ms: list[float]) -> float:
@@ -804,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--keep-logs", action="store_true")
+    add_results_option(parser, "compression")
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(json.loads(args.worker))
@@ -859,6 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.monotonic() - began
     meta["load_after"] = os.getloadavg()[0]
     meta["leaked_segments"] = leaked
+    write_results("compression", {"meta": meta, "rows": rows, "live": live}, args.results)
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows, "live": live}, indent=2))
     else:

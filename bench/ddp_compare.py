@@ -4,7 +4,7 @@ Two nodes with one rank each:
 
 - loopback: two daemons on 127.0.0.1 (torch DDP: two ranks on 127.0.0.1);
 - limited: two network namespaces whose links are shaped with `tc … tbf rate RATE`
-  (bench/netbed.py); node 1's daemon and rank run inside its namespace. Needs root and
+  (commd/testing/netbed.py); node 1's daemon and rank run inside its namespace. Needs root and
   `ip netns`; skipped otherwise. One bed per rate of ``--rates``.
 
 Without ``--compression``, every rank trains the listed models on one fixed synthetic batch of
@@ -45,14 +45,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ddp_tasks  # a sibling file: bench/ is sys.path[0] of a script run from it
+
 from commd.compression.topk import parse_compression
 from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
 _JOBS = itertools.count()
-sys.path.insert(0, str(HERE.parent))  # netbed, ddp_tasks
-
-import ddp_tasks  # noqa: E402  (a sibling file, found through the line above)
 
 MODELS = {
     # name: (description, batch size)
@@ -373,7 +374,10 @@ def compare(link: str, nodes: Sequence[Node], models: Sequence[str],
     return rows
 
 
-def timing_tables(args: argparse.Namespace) -> str:
+TIMING_HEADER = ["link", "model", "torch ms/step", "commd ms/step", "commd/torch", "ranks agree"]
+
+
+def timing_rows(args: argparse.Namespace) -> list[list[str]]:
     rows = []
     if not args.skip_loopback:
         rows += compare("loopback", loopback_nodes(2), args.loopback_models.split(","), args)
@@ -381,8 +385,12 @@ def timing_tables(args: argparse.Namespace) -> str:
         with limited_link(rate) as nodes:
             if nodes is not None:
                 rows += compare(f"tbf {rate}", nodes, args.limited_models.split(","), args)
-    header = ["link", "model", "torch ms/step", "commd ms/step", "commd/torch", "ranks agree"]
-    return markdown_table(header, rows)
+    return rows
+
+
+def timing_table(results: dict[str, Any]) -> str:
+    """The step-time table of a run without --compression (its results file's ``rows``)."""
+    return markdown_table(TIMING_HEADER, results["rows"])
 
 
 # --- the comparison with compression: step time and loss per variant ------------------------------
@@ -559,12 +567,17 @@ def plot(path: str, links: dict[str, dict[Variant, Outcome]], args: argparse.Nam
     print(f"  loss curves: {path}")
 
 
+def links_json(links: dict[str, dict[Variant, Outcome]]) -> dict[str, Any]:
+    return {link: {variant.label: {"means_ms": o.means_ms, "losses": o.curves,
+                                   "held_out": o.held_out, "step_ms": o.step_ms, "ran": o.ran,
+                                   "agree": o.agree, "errors": o.errors}
+                   for variant, o in outcomes.items()}
+            for link, outcomes in links.items()}
+
+
 def save_json(path: str, links: dict[str, dict[Variant, Outcome]], command: str) -> None:
-    data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "links": {
-        link: {variant.label: {"means_ms": o.means_ms, "losses": o.curves, "held_out": o.held_out,
-                               "step_ms": o.step_ms, "ran": o.ran, "agree": o.agree,
-                               "errors": o.errors} for variant, o in outcomes.items()}
-        for link, outcomes in links.items()}}
+    data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "links": links_json(links)}
     Path(path).write_text(json.dumps(data, indent=1))
     print(f"  every step's loss and time, every repeat: {path}")
 
@@ -580,7 +593,7 @@ def loopback_nodes(count: int) -> list[Node]:
 def limited_link(rate: str) -> Iterator[list[Node] | None]:
     """Two nodes in network namespaces, links shaped to ``rate``; None (and why, printed) when
     namespaces cannot be used here."""
-    from netbed import NetBed, NetBedUnavailable, available
+    from commd.testing.netbed import NetBed, NetBedUnavailable, available
 
     ok, why = available()
     if not ok:
@@ -596,15 +609,6 @@ def limited_link(rate: str) -> Iterator[list[Node] | None]:
         yield None if bed is None else [
             Node(bed.address(i), functools.partial(bed.argv, i), "eth0") for i in range(2)
         ]
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
-              for row in rows]
-    return "\n".join(lines)
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -674,6 +678,7 @@ def compression_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="with --compression: write the loss curves, one subplot per link, "
                         "as a PNG")
+    add_results_option(p, "ddp-compare", "ddp-compare-compression")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="with --compression: write every step's loss and rank 0's time "
                         "of every step, per repeat, as JSON")
@@ -722,11 +727,14 @@ def main() -> int:
     for line in header_lines(args):
         print(line, flush=True)
     if args.compression is None:
-        table = timing_tables(args)
+        results: dict[str, Any] = {"rows": timing_rows(args)}
+        write_results("ddp-compare", results, args.results)
         print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-        print(table)
+        print(timing_table(results))
     else:
         links = compression_tables(args)
+        write_results("ddp-compare-compression",
+                      {"compression": args.compression, "links": links_json(links)}, args.results)
         print(f"load average at the end: {os.getloadavg()[0]:.1f}")
         for link, outcomes in links.items():
             print(f"\n{link}:\n{variant_table(outcomes)}")

@@ -85,6 +85,7 @@ from commd.testing.daemons import LocalDaemon
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, kill_all, start_json_worker
 from commd.testing.provenance import provenance
+from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
 WORKER = str(HERE.with_name("elastic_worker.py"))
@@ -557,33 +558,32 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    lines = ["| fault | system | survivors stalled (s) | fault to next new step (s) | "
-             "steps lost | detection (s) | declared lost (s) | replicas identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    rows: list[list[str]] = []
     for fault in FAULTS:
         for system in SYSTEMS:
             row = summary.get(system, {}).get(fault)
             if row is None:
                 continue
             if not row["repeats"]:
-                lines.append(f"| {FAULT_LABELS[fault]} | {LABELS[system]} | failed | - | - "
-                             f"| - | - | - |")
+                rows.append([FAULT_LABELS[fault], LABELS[system], "failed", *["-"] * 5])
                 continue
-            lines.append(f"| {FAULT_LABELS[fault]} | {LABELS[system]} | {cell(row['stall_s'])} "
-                         f"| {cell(row['to_new_step_s'])} | {row['steps_lost']} | "
-                         f"{cell(row['detection_s'])} | {cell(row['declared_lost_s'])} | "
-                         f"{'yes' if row['agree'] else 'NO'} |")
+            rows.append([FAULT_LABELS[fault], LABELS[system], cell(row["stall_s"]),
+                         cell(row["to_new_step_s"]), str(row["steps_lost"]),
+                         cell(row["detection_s"]), cell(row["declared_lost_s"]),
+                         "yes" if row["agree"] else "NO"])
+    lines = [markdown_table(["fault", "system", "survivors stalled (s)",
+                             "fault to next new step (s)", "steps lost", "detection (s)",
+                             "declared lost (s)", "replicas identical"], rows)]
     commd = summary.get("commd", {})
     joins = [(fault, commd[fault]) for fault in FAULTS
              if fault in commd and commd[fault]["join_ddp_s"] is not None]
     if joins:
-        lines += ["", "| commd: the replacement after | its DistributedDataParallel(...) (s) | "
-                  "from that call to its first step (s) | survivors paused (s) | joined at "
-                  "step |", "|---|---|---|---|---|"]
-        for fault, row in joins:
-            lines.append(f"| {FAULT_LABELS[fault]} | {cell(row['join_ddp_s'])} | "
-                         f"{cell(row['join_first_step_s'])} | {cell(row['join_pause_s'])} | "
-                         f"{', '.join(map(str, row['joined_at_step']))} |")
+        lines += ["", markdown_table(
+            ["commd: the replacement after", "its DistributedDataParallel(...) (s)",
+             "from that call to its first step (s)", "survivors paused (s)", "joined at step"],
+            [[FAULT_LABELS[fault], cell(row["join_ddp_s"]), cell(row["join_first_step_s"]),
+              cell(row["join_pause_s"]), ", ".join(map(str, row["joined_at_step"]))]
+             for fault, row in joins])]
     return "\n".join(lines)
 
 

@@ -33,6 +33,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
 from commd.testing.daemons import LocalDaemon, commd_segments  # noqa: E402
 from commd.testing.processes import kill_all  # noqa: E402
+from commd.testing.results import add_results_option, write_results  # noqa: E402
+from commd.testing.tables import markdown_table  # noqa: E402
 
 from ranks import JobSpec, await_registered, collect, start_ranks  # noqa: E402
 
@@ -45,7 +47,7 @@ def run_fault(fault: str, workdir: Path) -> dict[str, Any]:
     """One fault on a fresh job; the time to error on every rank, and what remained."""
     bed: Any = None
     if fault == "link-down":
-        from netbed import NetBed, NetBedUnavailable
+        from commd.testing.netbed import NetBed, NetBedUnavailable
 
         try:
             bed = NetBed(nodes=2, rate=None).__enter__()
@@ -135,16 +137,16 @@ def _left_behind(before: set[str], daemons: list[LocalDaemon]) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| fault | rank | seconds to error | error |", "|---|---|---:|---|"]
+    cells = []
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['fault']} | - | - | skipped: {row['skipped']} |")
+            cells.append([row["fault"], "-", "-", f"skipped: {row['skipped']}"])
             continue
         for rank in row["ranks"]:
             seconds = "-" if rank["seconds"] is None else f"{rank['seconds']:.1f}"
             error = rank["error"].replace("|", "/")[:150]
-            lines.append(f"| {row['fault']} | {rank['rank']} | {seconds} | {error} |")
-    lines.append("")
+            cells.append([row["fault"], rank["rank"], seconds, error])
+    lines = [markdown_table(["fault", "rank", "seconds to error", "error"], cells, "llr"), ""]
     for row in rows:
         if "left" in row:
             lines.append(f"- {row['fault']}: left behind: {', '.join(row['left']) or 'nothing'}")
@@ -157,6 +159,7 @@ def main() -> int:
     parser.add_argument("--faults", default=",".join(FAULTS),
                         help=f"comma-separated, of {', '.join(FAULTS)}")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_results_option(parser, "faults")
     args = parser.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = sorted(set(faults) - set(FAULTS))
@@ -164,6 +167,7 @@ def main() -> int:
         parser.error(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
     workdir = Path(tempfile.mkdtemp(prefix="commd-faults-"))
     rows = [run_fault(fault, workdir) for fault in faults]
+    write_results("faults", {"faults": faults, "rows": rows}, args.results)
     print(json.dumps(rows, indent=1) if args.json else table(rows))
     failed = [row["fault"] for row in rows if "ranks" in row and any(
         r["seconds"] is not None and "commd: " not in r["error"] for r in row["ranks"])]

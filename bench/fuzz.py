@@ -75,7 +75,8 @@ from zmq.utils.monitor import recv_monitor_message
 from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import finish, start_json_worker
-from commd.testing.provenance import provenance
+from commd.testing.results import write_results
+from commd.testing.tables import markdown_table
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     DTYPES,
@@ -1009,10 +1010,9 @@ def log_problems(daemon: LocalDaemon) -> list[str]:
 
 
 def table(rows: list[list[str]]) -> str:
+    """The headers first, then the rows."""
     head, *body = rows
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
+    return markdown_table(head, body)
 
 
 def top(counter: Counter[str], limit: int = 12) -> str:
@@ -1141,15 +1141,15 @@ def main() -> int:
         if findings.count:
             print(f"- {findings.count} finding(s), frames as hex: {findings.path}")
         if args.json:
-            Path(args.json).write_text(json.dumps({
-                **provenance(), "seed": args.seed, "frames": args.frames, "batch": args.batch,
+            write_results("fuzz", {
+                "seed": args.seed, "frames": args.frames, "batch": args.batch,
                 "wall_s": wall,
                 "sides": [{**{k: v for k, v in vars(s).items() if k != "replies"},
                            "replies": dict(s.replies)} for s in sides],
                 "rss_start_mb": rss_start, "rss_fuzzed_mb": rss_fuzzed, "rss_end_mb": rss_end,
                 "checks": [{"check": n, "ok": ok, "value": v} for n, ok, v in checks],
                 "log_problems": problems, "findings": findings.count,
-            }, indent=1))
+            }, args.json)
         keep = keep or failed
         return 1 if failed else 0
     finally:
@@ -1202,20 +1202,16 @@ def worst_mode(args: argparse.Namespace) -> int:
         failed = not all(ok for _, ok, _ in checks)
         print(f"\n## commd fuzz --worst: --max-layers {args.max_layers}, window "
               f"{args.window:g} s, {time.monotonic() - started:.0f} s\n")
-        print(table([["socket", "type", "frame", "bytes", "loop blocked (ms)", "replies"]] + [
-            [row.side, row.type, row.frame, f"{row.size:,}", f"{row.blocked_ms:.1f}",
-             ", ".join(sorted(set(row.replies))) or "-"] for row in rows]))
-        print()
-        print(table([["check", "result", "value"]] + [
-            [name, "pass" if ok else "**FAIL**", text] for name, ok, text in checks]))
+        print(worst_tables([vars(row) for row in rows],
+                           [{"check": n, "ok": ok, "value": v} for n, ok, v in checks]))
         for line in problems[:5]:
             print(f"- w0 log: {line[:300]}")
         if args.json:
-            Path(args.json).write_text(json.dumps({
-                **provenance(), "max_layers": args.max_layers, "window_s": args.window,
+            write_results("fuzz-worst", {
+                "max_layers": args.max_layers, "window_s": args.window,
                 "rows": [vars(row) for row in rows],
                 "checks": [{"check": n, "ok": ok, "value": v} for n, ok, v in checks],
-            }, indent=1))
+            }, args.json)
         return 1 if failed else 0
     finally:
         for daemon in daemons:
@@ -1225,6 +1221,18 @@ def worst_mode(args: argparse.Namespace) -> int:
             print(f"[fuzz] logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def worst_tables(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+    """``--worst``'s tables: each message type's worst frame, then the checks (what its
+    results file holds)."""
+    return "\n\n".join([
+        table([["socket", "type", "frame", "bytes", "loop blocked (ms)", "replies"]] + [
+            [row["side"], row["type"], row["frame"], f"{row['size']:,}",
+             f"{row['blocked_ms']:.1f}", ", ".join(sorted(set(row["replies"]))) or "-"]
+            for row in rows]),
+        table([["check", "result", "value"]] + [
+            [c["check"], "pass" if c["ok"] else "**FAIL**", c["value"]] for c in checks])])
 
 
 def _public_key(path: Path) -> bytes:

@@ -12,6 +12,7 @@
    group, as the daemon measures it (`commd status`), with readies 500 µs apart and in bursts.
 
 Usage: python bench/gpu_check.py --report docs/gpu-check.md [--tests FILE] [--max-mib 1024]
+with commd importable: installed, or the repository on PYTHONPATH as scripts/gpu-check puts it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "protocol")]
+from commd.testing.daemons import LocalDaemon
+from commd.testing.processes import Finished, FinishTimeout, start_json_worker
+from commd.testing.processes import finish as finish_processes
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
-from commd.testing.daemons import LocalDaemon  # noqa: E402
-from commd.testing.processes import Finished, FinishTimeout, start_json_worker  # noqa: E402
-from commd.testing.processes import finish as finish_processes  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RANKS = str(Path(__file__).with_name("gpu_ranks.py"))
 NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
@@ -131,17 +133,17 @@ def table(title: str, ours: Any, base: Any, base_name: str, sizes: list[int]
         lines += [f"- through the daemon: {ours if isinstance(ours, str) else 'ok'}",
                   f"- {base_name}: {base if isinstance(base, str) else 'ok'}", ""]
         return lines, None
-    lines += [f"| size | daemon (ms) | {base_name} (ms) | daemon / {base_name} | "
-              "daemon algbw (GB/s) |", "|---:|---:|---:|---:|---:|"]
     verdict = True
+    rows = []
     for nbytes in sizes:
         mine, theirs = ours[nbytes], base[nbytes]
         ratio = mine / theirs if theirs > 0 else float("inf")
         if nbytes >= 64 << 20 and ratio > TARGET_RATIO:
             verdict = False
-        lines.append(f"| {human(nbytes)} | {mine * 1e3:.3f} | {theirs * 1e3:.3f} | "
-                     f"{ratio:.3f} | {nbytes / mine / 1e9:.2f} |")
-    lines.append("")
+        rows.append([human(nbytes), f"{mine * 1e3:.3f}", f"{theirs * 1e3:.3f}", f"{ratio:.3f}",
+                     f"{nbytes / mine / 1e9:.2f}"])
+    lines += [markdown_table(["size", "daemon (ms)", f"{base_name} (ms)",
+                              f"daemon / {base_name}", "daemon algbw (GB/s)"], rows, "rrrrr"), ""]
     return lines, verdict
 
 
@@ -165,22 +167,22 @@ def device_facts() -> list[str]:
 
 def latency_lines(spaced: list[dict[str, Any]], burst: list[dict[str, Any]]
                   ) -> tuple[list[str], bool | None]:
-    lines = ["### Ready-to-launch latency (2 ranks, 16 one-KiB layers, one group per layer)",
-             "", "| readies | p50 (µs) | p99 (µs) | max (µs) | groups | ready() call p50 (µs) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    rows = []
     verdict: bool | None = None
     for name, results in (("500 µs apart", spaced), ("in bursts", burst)):
         first = results[0] if results else {}
         summary = first.get("ready_to_launch")
         if not summary:
-            lines.append(f"| {name} | error: {first.get('error', 'no measurement')} | | | | |")
+            rows.append([name, f"error: {first.get('error', 'no measurement')}", "", "", "", ""])
             continue
-        lines.append(f"| {name} | {summary['p50_us']:.1f} | {summary['p99_us']:.1f} | "
-                     f"{summary['max_us']:.1f} | {summary['samples']:.0f} | "
-                     f"{first.get('ready_call_p50_us', 0):.1f} |")
+        rows.append([name, f"{summary['p50_us']:.1f}", f"{summary['p99_us']:.1f}",
+                     f"{summary['max_us']:.1f}", f"{summary['samples']:.0f}",
+                     f"{first.get('ready_call_p50_us', 0):.1f}"])
         if name == "500 µs apart":
             verdict = summary["p50_us"] < TARGET_P50_US
-    return [*lines, ""], verdict
+    return ["### Ready-to-launch latency (2 ranks, 16 one-KiB layers, one group per layer)", "",
+            markdown_table(["readies", "p50 (µs)", "p99 (µs)", "max (µs)", "groups",
+                            "ready() call p50 (µs)"], rows, "lrrrrr"), ""], verdict
 
 
 def main() -> int:
@@ -190,6 +192,7 @@ def main() -> int:
     parser.add_argument("--max-mib", type=int, default=1024)
     parser.add_argument("--budget-s", type=float, default=140.0,
                         help="stop measuring after this long; the report is written anyway")
+    add_results_option(parser, "gpu-check")
     args = parser.parse_args()
     sizes = [1 << k for k in range(10, 31, 2) if (1 << k) <= args.max_mib << 20]
     began = time.monotonic()
@@ -225,6 +228,12 @@ def main() -> int:
               "outlasts a ready → done round trip (a few hundred µs; on an H200 that is "
               "hundreds of MiB of local sum and copy), the daemon path is bound by the "
               "round trip, not by the GPU."]
+    write_results("gpu-check", {
+        "sizes": sizes, "single_node": {"daemon_s": through_a, "local_s": local},
+        "two_nodes": {"daemon_s": through_b, "raw_nccl_s": raw},
+        "latency": {"spaced": spaced, "burst": burst},
+        "targets": {"two_nodes_within_5_percent": verdict_b, "ready_to_launch_p50": verdict_l,
+                    "single_node_within_5_percent": verdict_a}}, args.results)
     report = Path(args.report)
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines) + "\n")

@@ -25,12 +25,9 @@ from typing import Any
 
 import cupy
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "protocol")]
-
-from commd.cli.status import query  # noqa: E402
-from commd.engines.cuda import kernels as cuda_kernels  # noqa: E402
-from commd_client import Client  # noqa: E402
+from commd.cli.status import query
+from commd.engines.cuda import kernels as cuda_kernels
+from commd_client import Client
 
 
 def iterations_for(nbytes: int) -> int:

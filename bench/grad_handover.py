@@ -31,14 +31,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ddp_compare  # sibling files: bench/ is sys.path[0] of a script run from it
+import ddp_tasks
+
+from commd.compression.topk import parse_compression
+from commd.testing.processes import start_json_worker
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
+
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-
-import ddp_compare  # noqa: E402  (a sibling file, found through the line above)
-import ddp_tasks  # noqa: E402
-
-from commd.compression.topk import parse_compression  # noqa: E402
-from commd.testing.processes import start_json_worker  # noqa: E402
 
 WAYS = ("fresh", "zeroed")  # zero_grad(set_to_none=True), zero_grad(set_to_none=False)
 
@@ -119,7 +120,14 @@ def parser() -> argparse.ArgumentParser:
                    help="unmeasured first steps: commd's plan search (default 100)")
     p.add_argument("--timeout", type=float, default=300.0, help="per job, seconds")
     p.add_argument("--keep-logs", action="store_true", help="keep the daemons' logs")
+    add_results_option(p, "grad-handover")
     return p
+
+
+def table(results: dict[str, Any]) -> str:
+    header = ["compression", "step ms fresh", "step ms zeroed", "step fresh/zeroed (paired)",
+              "backward ms fresh", "backward ms zeroed", "backward fresh/zeroed (paired)"]
+    return markdown_table(header, results["rows"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         nodes = ddp_compare.loopback_nodes(2)
         with ddp_compare.job_workdir(args) as workdir, ddp_compare.daemons(nodes, workdir.path):
             rows.append(summary_row(compression, run_job(compression, nodes, args)))
-    header = ["compression", "step ms fresh", "step ms zeroed", "step fresh/zeroed (paired)",
-              "backward ms fresh", "backward ms zeroed", "backward fresh/zeroed (paired)"]
-    print(ddp_compare.markdown_table(header, rows))
+    results = {"steps": args.steps, "warmup": args.warmup, "rows": rows}
+    write_results("grad-handover", results, args.results)
+    print(table(results))
     print(f"\ncommand: {shlex.join(['python', *sys.argv])}\ntook "
           f"{time.monotonic() - started:.0f} s ({time.strftime('%Y-%m-%d %H:%M')}), "
           f"load average at the end {os.getloadavg()[0]:.1f}")

@@ -34,28 +34,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import platform
 import re
-import select
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 import uuid
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import IO, Any
 
 import numpy as np
 
-from commd.testing.processes import stop_process
+from commd.testing.harness import DaemonHarness, JsonLineWorker, WorkerError
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.10
@@ -226,106 +223,37 @@ class BenchError(RuntimeError):
     pass
 
 
-def _load_daemons_module() -> ModuleType:
-    """tests/daemons.py, imported by path: the starter the end-to-end tests use (sd_notify
-    READY=1 on NOTIFY_SOCKET, random peer port, SIGTERM on stop)."""
-    path = ROOT / "tests" / "daemons.py"
-    spec = importlib.util.spec_from_file_location("_commd_test_daemons", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class Worker:
+def start_worker(kind: str, spec: dict[str, Any], errors: IO[bytes]) -> JsonLineWorker:
     """A worker subprocess driven by lines on stdin, answering with JSON lines on stdout."""
-
-    def __init__(self, kind: str, spec: dict[str, Any], errors: IO[bytes]) -> None:
-        self.kind = kind
-        self.rank = spec["rank"]
-        self._errors = errors
-        self._buffer = b""
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, cwd=ROOT, bufsize=0,
-        )
-
-    def send(self, line: str) -> None:
-        assert self.process.stdin is not None
-        try:
-            self.process.stdin.write(line.encode() + b"\n")
-        except BrokenPipeError:
-            raise BenchError(f"{self.describe()} exited early:\n{self.error_tail()}") from None
-
-    def receive(self, deadline: float) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        stream = self.process.stdout
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BenchError(f"{self.describe()} did not answer in time:\n{self.error_tail()}")
-            readable, _, _ = select.select([stream], [], [], left)
-            if readable:
-                chunk = os.read(stream.fileno(), 65536)
-                if not chunk:
-                    self.process.wait()
-                    raise BenchError(
-                        f"{self.describe()} exited with {self.process.returncode}:\n"
-                        f"{self.error_tail()}"
-                    )
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        if not line.startswith(b"{"):  # something else printed to stdout: not ours
-            return self.receive(deadline)
-        return dict(json.loads(line))
-
-    def describe(self) -> str:
-        return f"{self.kind} worker rank {self.rank} (pid {self.process.pid})"
-
-    def error_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return Path(self._errors.name).read_text(errors="replace")[-3000:]
-        return ""
-
-    def stop(self, timeout: float = 10.0) -> None:
-        # EOF: the worker leaves its loop and closes cleanly; SIGTERM after ``timeout``,
-        # SIGKILL 5 s later.
-        stop_process(self.process, grace_s=timeout, close_stdin=True, term_grace_s=5)
-        if self.process.stdout is not None:
-            with contextlib.suppress(OSError):
-                self.process.stdout.close()
+    return JsonLineWorker(
+        f"{kind} worker rank {spec['rank']}",
+        [sys.executable, str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+        errors, cwd=ROOT)
 
 
-class Harness:
+class Harness(DaemonHarness):
     """Owns everything this benchmark starts; ``close()`` stops it all, in reverse order."""
 
     def __init__(self, timeout: float, keep_logs: bool, metrics: bool = False,
                  scrape_rate: float = 0.0) -> None:
+        super().__init__("commd-bench-overhead-", keep_logs)
         self.timeout = timeout
-        self.keep_logs = keep_logs
         self.metrics = metrics  # --metrics: the daemons serve /metrics, scraped every second
         self.scrape_rate = scrape_rate  # --scrape-rate: a scraper process, on per iteration
-        self.scraper: Worker | None = None
+        self.scraper: JsonLineWorker | None = None
         self.scraped = {"scrapes": 0, "failed": 0, "seconds": 0.0}  # its counts, last "off"
         self._scraper: threading.Thread | None = None
         self._scraping = threading.Event()
         self.scrapes = 0
-        self.workdir = Path(tempfile.mkdtemp(prefix="commd-bench-overhead-"))
-        self._daemons_module = _load_daemons_module()
-        self.daemons: list[Any] = []
-        self.workers: list[Worker] = []
-        self.jobs: list[str] = []
+        self.workers: list[JsonLineWorker] = []
         self._store: Any = None
-        self.failed = False
 
     def start_daemons(self) -> None:
         for index in range(WORLD):
             try:
-                self.daemons.append(self._daemons_module.DaemonProcess(
-                    self.workdir, f"d{index}", "--backend", "gloo",
-                    "--timeout-s", str(self.timeout),
-                    *(("--metrics-listen", "127.0.0.1:0") if self.metrics else ()),
-                ))
+                self.start_daemon(f"d{index}", "--backend", "gloo", "--timeout-s",
+                                  str(self.timeout),
+                                  *(("--metrics-listen", "127.0.0.1:0") if self.metrics else ()))
             except RuntimeError as exc:  # "daemon did not become ready", with its log
                 raise BenchError(str(exc)) from None
         if self.metrics:
@@ -348,9 +276,9 @@ class Harness:
         GIL is this process's (which paces the ranks)."""
         path = self.workdir / "scraper.err"
         with open(path, "wb") as errors:
-            self.scraper = Worker("scraper", {"rank": 0, "targets": targets,
-                                              "rate": self.scrape_rate,
-                                              "timeout": self.timeout}, errors)
+            self.scraper = start_worker("scraper", {"rank": 0, "targets": targets,
+                                                    "rate": self.scrape_rate,
+                                                    "timeout": self.timeout}, errors)
         self.scraper.receive(time.monotonic() + self.timeout)
 
     def scraping(self, on: bool) -> None:
@@ -383,25 +311,26 @@ class Harness:
             )
         return int(self._store.port)
 
-    def _start_pair(self, kind: str, specs: list[dict[str, Any]]) -> list[Worker]:
+    def _start_pair(self, kind: str, specs: list[dict[str, Any]]) -> list[JsonLineWorker]:
         pair = []
         for spec in specs:
             path = self.workdir / f"{kind}-{spec['rank']}-{uuid.uuid4().hex[:6]}.err"
             errors = open(path, "wb")  # noqa: SIM115 - closed below, once the child has it
-            worker = Worker(kind, spec, errors)
+            worker = start_worker(kind, spec, errors)
             errors.close()  # the child holds its own descriptor
             self.workers.append(worker)
             pair.append(worker)
         return pair
 
-    def raw_pair(self, numel: int) -> list[Worker]:
+    def raw_pair(self, numel: int) -> list[JsonLineWorker]:
         port, key = self._store_port(), f"raw-{uuid.uuid4().hex[:8]}"
         return self._start_pair("raw", [
             {"rank": rank, "store_port": port, "key": key, "numel": numel,
              "timeout": self.timeout} for rank in range(WORLD)
         ])
 
-    def commd_pair(self, layers: list[tuple[str, int]], planner: str, ready: str) -> list[Worker]:
+    def commd_pair(self, layers: list[tuple[str, int]], planner: str, ready: str
+                   ) -> list[JsonLineWorker]:
         job = f"{JOB_PREFIX}{ready}-{uuid.uuid4().hex[:8]}"
         self.jobs.append(job)
         return self._start_pair("client", [
@@ -412,42 +341,28 @@ class Harness:
 
     def stop_workers(self) -> None:
         for worker in reversed(self.workers):
-            worker.stop()
+            # EOF: the worker leaves its loop and closes cleanly; SIGTERM after 10 s,
+            # SIGKILL 5 s later.
+            worker.stop(timeout=10.0, term_grace_s=5)
         self.workers.clear()
 
     def close(self) -> list[str]:
         """Stop workers, then daemons; remove (and return) segments our jobs leaked."""
         self.stop_workers()
         if self.scraper is not None:
-            self.scraper.stop()
+            self.scraper.stop(timeout=10.0, term_grace_s=5)
         self._scraping.set()
         if self._scraper is not None:
             self._scraper.join()
-        for daemon in reversed(self.daemons):
-            code = daemon.stop()
-            if code not in (0, -signal.SIGTERM):
-                self.failed = True
-                print(f"daemon {daemon.socket} exited with {code}:\n{daemon.log()[-2000:]}",
-                      file=sys.stderr)
-        self.daemons.clear()
         self._store = None
-        # Only this run's jobs: other people's commd segments on a shared machine stay.
-        ours = tuple(f"commd-{job}" for job in self.jobs)
-        leaked = sorted(n for n in self._daemons_module.commd_segments() if n.startswith(ours))
-        for name in leaked:
-            Path("/dev/shm", name).unlink(missing_ok=True)
-        if self.keep_logs or self.failed:
-            print(f"daemon logs kept in {self.workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-        return leaked
+        return super().close()
 
 
 def run_repeat(
     harness: Harness, args: argparse.Namespace, layers: list[tuple[str, int]], modes: list[str]
 ) -> dict[str, Any]:
     """Fresh workers for every variant, then iterations interleaved variant by variant."""
-    pairs: dict[str, list[Worker]] = {"raw": harness.raw_pair(sum(s for _, s in layers))}
+    pairs: dict[str, list[JsonLineWorker]] = {"raw": harness.raw_pair(sum(s for _, s in layers))}
     for mode in modes:
         pairs[mode] = harness.commd_pair(layers, args.planner, mode)
     deadline = time.monotonic() + args.timeout
@@ -466,10 +381,10 @@ def run_repeat(
             for worker in pairs[name]:
                 worker.send("go")
             deadline = time.monotonic() + args.timeout
-            for worker in pairs[name]:
+            for rank, worker in enumerate(pairs[name]):
                 result = worker.receive(deadline)
                 if iteration >= args.warmup:
-                    times[name][worker.rank].append(result)
+                    times[name][rank].append(result)
             if scraped:
                 harness.scraping(False)
     harness.stop_workers()
@@ -586,6 +501,32 @@ def print_report(summary: dict[str, Any], args: argparse.Namespace, modes: list[
           f"{info['loadavg_end'][0]:.2f} at end")
 
 
+def table(results: dict[str, Any]) -> str:
+    """Rank 0's milliseconds per repeat and pooled: raw Gloo, then commd per ready mode with
+    its ratio to raw (and the paired ratio)."""
+    modes = results["ready"]
+    headers = ["repeat", "raw Gloo median [p10, p90]"]
+    for mode in modes:
+        headers += [f"commd, ready={mode}", "ratio (paired)"]
+
+    def spread(s: dict[str, Any]) -> str:
+        return f"{s['median_ms']:.1f} [{s['p10_ms']:.1f}, {s['p90_ms']:.1f}]"
+
+    rows = []
+    for entry in results["summary"]["repeats"]:
+        row = [str(entry["repeat"]), spread(entry["raw"][0])]
+        for mode in modes:
+            m = entry["commd"][mode]
+            row += [spread(m["ranks"][0]), f"{m['ratio'][0]:.3f} ({m['paired_ratio']:.3f})"]
+        rows.append(row)
+    pooled = results["summary"]["pooled_rank0"]
+    row = ["pooled", spread(pooled["raw"])]
+    for mode in modes:
+        row += [spread(pooled[mode]),
+                f"**{pooled[mode]['ratio']:.3f} ({pooled[mode]['paired_ratio']:.3f})**"]
+    return markdown_table(headers, [*rows, row], "l" + "r" * (len(headers) - 1))
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -629,6 +570,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --metrics: run every iteration of the job twice, quiet and "
                              "while a scraper GETs each daemon's /metrics R times a second; "
                              "reports the scraped/quiet ratio")
+    add_results_option(parser, "overhead")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
@@ -655,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats.append(run_repeat(harness, args, layers, modes))
             if not args.json:
                 print(f"  repeat {index + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-    except BenchError as exc:
+    except (BenchError, WorkerError) as exc:
         harness.failed = True
         print(f"overhead benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -668,18 +610,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed leaked shared-memory segments: {leaked}", file=sys.stderr)
     info["loadavg_end"] = list(os.getloadavg())
     summary = summarise(repeats, measured)
+    run = {
+        "benchmark": "overhead", "model": args.model, "layers": len(layers),
+        "elements": sum(s for _, s in layers), "dtype": "float32", "op": "sum",
+        "planner": args.planner, "ready": modes, "iterations": args.iterations,
+        "warmup": args.warmup, "target_ratio": TARGET_RATIO,
+        "metrics": args.metrics, "scrapes": harness.scrapes,
+        "scrape_rate": args.scrape_rate, "scraper": harness.scraped,
+        "summary": summary,
+        "times_s": [{name: [[r["t"] for r in rank] for rank in ranks]
+                     for name, ranks in run["times"].items()} for run in repeats],
+    }
+    # the provenance's machine is the results file's; torch and the load at both ends beside it
+    write_results("overhead", {**run, "torch": info["torch"],
+                               "loadavg_start": info["loadavg_start"],
+                               "loadavg_end": info["loadavg_end"]}, args.results)
     if args.json:
-        print(json.dumps({
-            "benchmark": "overhead", "model": args.model, "layers": len(layers),
-            "elements": sum(s for _, s in layers), "dtype": "float32", "op": "sum",
-            "planner": args.planner, "ready": modes, "iterations": args.iterations,
-            "warmup": args.warmup, "target_ratio": TARGET_RATIO, "machine": info,
-            "metrics": args.metrics, "scrapes": harness.scrapes,
-            "scrape_rate": args.scrape_rate, "scraper": harness.scraped,
-            "summary": summary,
-            "times_s": [{name: [[r["t"] for r in rank] for rank in ranks]
-                         for name, ranks in run["times"].items()} for run in repeats],
-        }, indent=1))
+        print(json.dumps({**run, "machine": info}, indent=1))
     else:
         print_report(summary, args, measured, info)
         if args.scrape_rate:

@@ -44,6 +44,8 @@ from commd.plan import (
 )
 from commd.plan.model_profiles import Profile, resolve_profile, shipped_profile_names
 from commd.plan.units import parse_nodes
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 GOOGLENET = "googlenet_k80"  # the shipped MG-WFBP reference trace, commd/plan/profiles/
 ALIASES = {"googlenet": GOOGLENET}
@@ -219,9 +221,7 @@ def _seconds(value: float) -> str:
 
 
 def _markdown(header: Sequence[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
+    return markdown_table(header, rows, "r" * len(header)).splitlines()
 
 
 def _network_label(network: str) -> str:
@@ -357,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"networks (default %(default)s; googlenet_k80 also gets {MGWFBP_SIM})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_results_option(parser, "planner-quality")
     args = parser.parse_args(argv)
     try:
         nodes = parse_nodes(args.nodes)
@@ -370,20 +371,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = quality_rows(profiles, nodes, networks)
     check = googlenet_check(profiles[GOOGLENET]) if GOOGLENET in profiles else None
     timing = planning_time()
+    results = {
+        "planners": list(PLANNERS),
+        "nodes": nodes,
+        "networks": networks,
+        "profiles": [p.name for p in profiles.values()],
+        "results": rows,
+        "googlenet_check": check,
+        "planning_time": timing,
+    }
+    write_results("planner-quality", results, args.results)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "planners": list(PLANNERS),
-                    "nodes": nodes,
-                    "networks": networks,
-                    "profiles": [p.name for p in profiles.values()],
-                    "results": rows,
-                    "googlenet_check": check,
-                    "planning_time": timing,
-                }
-            )
-        )
+        print(json.dumps(results))
     else:
         print(render(profiles, rows, check, timing))
     return 0

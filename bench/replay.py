@@ -7,6 +7,9 @@ is compared with what the planner's timeline model predicts for the plan in use,
 a and b the daemons fitted (`commd status`).
 
     python bench/replay.py --profile resnet50 --time-scale 0.05 --iterations 40
+
+The results, with the command, commit and machine, go to bench/results/replay.json
+(``--results``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from commd.plan import LinearCost, evaluate
 from commd.plan.model_profiles import resolve_profile
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import finish, kill_all, start_json_worker
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 PLANNERS = ("wfbp", "syncea", "fixed-25MB", "mgwfbp", "optimal")
 MEASURE_FROM = 15  # after the first informed plan (iteration 12) has settled
@@ -93,7 +98,21 @@ def run_planner(daemons: list[LocalDaemon], planner: str, layers: list[tuple[str
             "alpha_s": cost.alpha_s, "beta_s_per_byte": cost.beta_s_per_byte}
 
 
-def main() -> int:
+def table(results: dict[str, Any]) -> str:
+    """The measured-against-predicted table of a run's results (what main writes)."""
+    rows = [[row["planner"], row["groups"], f"{row['measured_s'] * 1e3:.1f}",
+             f"{row['predicted_s'] * 1e3:.1f}", f"{row['measured_s'] / row['predicted_s']:.2f}",
+             f"{row['exposed_measured_s'] * 1e3:.1f}", f"{row['exposed_predicted_s'] * 1e3:.1f}"]
+            for row in results["rows"]]
+    fitted = results["rows"][-1]
+    return (markdown_table(["planner", "groups", "iteration measured ms", "predicted ms",
+                            "measured/predicted", "exposed comm measured ms", "predicted ms"],
+                           rows, "lrrrrrr")
+            + f"\n\nFitted: a = {fitted['alpha_s'] * 1e6:.0f} µs, "
+              f"b = {fitted['beta_s_per_byte'] * 1e9:.3f} ns/B.")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="resnet50")
@@ -102,7 +121,8 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--planners", default=",".join(PLANNERS))
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    add_results_option(parser, "replay")
+    args = parser.parse_args(argv)
     profile = resolve_profile(args.profile)
     layers = [(name, size // 4) for name, size in zip(profile.layer_names, profile.sizes_bytes,
                                                         strict=True)]
@@ -116,22 +136,18 @@ def main() -> int:
     finally:
         for daemon in daemons:
             daemon.stop()
+    results = {"profile": profile.name, "layers": len(layers),
+               "megabytes": sum(profile.sizes_bytes) / 1e6, "time_scale": args.time_scale,
+               "backward_s": sum(backward), "measure_from": MEASURE_FROM,
+               "iterations": args.iterations, "rows": rows}
+    write_results("replay", results, args.results)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"profile {profile.name}: {len(layers)} layers, {sum(profile.sizes_bytes) / 1e6:.1f} MB,"
           f" backward {sum(backward) * 1e3:.1f} ms (x{args.time_scale:g}); 2 daemons x 1 rank,"
           f" loopback; median of iterations {MEASURE_FROM}..{args.iterations - 1}")
-    print("| planner | groups | iteration measured ms | predicted ms | measured/predicted |"
-          " exposed comm measured ms | predicted ms |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['planner']} | {row['groups']} | {row['measured_s'] * 1e3:.1f} | "
-              f"{row['predicted_s'] * 1e3:.1f} | {row['measured_s'] / row['predicted_s']:.2f} | "
-              f"{row['exposed_measured_s'] * 1e3:.1f} | {row['exposed_predicted_s'] * 1e3:.1f} |")
-    fitted = rows[-1]
-    print(f"\nfitted: a = {fitted['alpha_s'] * 1e6:.0f} µs, "
-          f"b = {fitted['beta_s_per_byte'] * 1e9:.3f} ns/B")
+    print(table(results))
     return 0
 
 

@@ -3,7 +3,8 @@
 A byte-level transformer LM (bench/text_lm.py: 4 layers, width 256, context 128, 3.3 M
 parameters, 13 MB of gradients) learns the Python standard library's own sources, 5 % of the
 files held out. Two nodes with one rank each, in two network namespaces whose links are shaped
-to each of ``--rates`` (bench/netbed.py; root needed), or on loopback (``--rates loopback``).
+to each of ``--rates`` (commd/testing/netbed.py; root needed), or on loopback
+(``--rates loopback``).
 
 Configurations (``--configs``), run alternately (ABC…ABC…), ``--repeats`` times each:
 
@@ -49,17 +50,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ddp_compare  # sibling files: bench/ is sys.path[0] of a script run from it
+import text_lm
+
 from commd.compression.topk import parse_compression
+from commd.testing import netbed
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, start_json_worker
 from commd.testing.provenance import provenance
+from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))  # text_lm and ddp_compare when imported by a test
-
-import ddp_compare  # noqa: E402  (a sibling file)
-import netbed  # noqa: E402
-import text_lm  # noqa: E402
 
 DEFAULT_CONFIGS = "torch,powersgd,commd:none,commd:topk:auto,commd:topk:auto:momentum=0.9,single"
 DEFAULT_JSON = "bench/results/time-to-loss.json"
@@ -352,7 +353,7 @@ def table(summary: dict[str, Any]) -> str:
     reach = f"s to {target:.3f}" if target is not None else "s to torch's final loss"
     header = ["configuration", "median step ms", "× torch DDP", mid, "final val loss", reach,
               "× torch DDP", "steps to it", "commd ran at the end", "ranks agree"]
-    return ddp_compare.markdown_table(header, rows)
+    return markdown_table(header, rows, "lrrrrrrr")
 
 
 def settings(args: argparse.Namespace, configs: Sequence[Config]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,8 @@ from commd.compression.kernels import (
     take_and_clear,
 )
 from commd.compression.topk import TopkScratch, select_topk, select_topk_reference
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 NODES = 3  # the allgather rows: this node plus two others
 
@@ -217,24 +220,37 @@ def spread(samples: list[float]) -> float:
     return (quartiles[2] - quartiles[0]) / 2 / statistics.median(samples)
 
 
-def report(rows: list[tuple[int, float, dict[str, list[float]]]]) -> None:
-    print("| elements | ratio | exchange | one pass ms | new ms (passes) | new on numpy ms "
-          "(passes) | old ms (passes) | speed-up | noise pass / new / numpy / old |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
+def summary(rows: list[tuple[int, float, dict[str, list[float]]]]) -> list[dict[str, Any]]:
+    """Per buffer size, ratio and exchange: the medians in ms of one dense pass and of the new
+    path, the new path on numpy and the previous code, with the noise of each."""
+    out = []
     for elements, ratio, times in rows:
-        dense = statistics.median(times["pass"])
         # (row name, the paths' name, the previous code's name)
         for label, exchange, before in (("allreduce", "allreduce", "allreduce"),
                                         ("allgather", "allgather", "allgather"),
                                         ("allgather, compact", "compact", "allgather")):
-            names = {"new": f"new {exchange}", "numpy": f"numpy {exchange}",
+            names = {"pass": "pass", "new": f"new {exchange}", "numpy": f"numpy {exchange}",
                      "old": f"old {before}"}
-            ms = {kind: statistics.median(times[name]) for kind, name in names.items()}
-            cells = " | ".join(f"{ms[kind] * 1e3:.1f} ({ms[kind] / dense:.1f})" for kind in ms)
-            noise = " / ".join(f"±{spread(times[name]):.0%}" for name in
-                               ("pass", *names.values()))
-            print(f"| {elements:,} | {ratio:g} | {label} | {dense * 1e3:.1f} | {cells} | "
-                  f"{ms['old'] / ms['new']:.1f}× | {noise} |")
+            out.append({"elements": elements, "ratio": ratio, "exchange": label,
+                        **{f"{kind}_ms": statistics.median(times[name]) * 1e3
+                           for kind, name in names.items()},
+                        "noise": {kind: spread(times[name]) for kind, name in names.items()}})
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    cells = []
+    for row in results["rows"]:
+        dense = row["pass_ms"]
+        cells.append([
+            f"{row['elements']:,}", f"{row['ratio']:g}", row["exchange"], f"{dense:.1f}",
+            *(f"{row[f'{kind}_ms']:.1f} ({row[f'{kind}_ms'] / dense:.1f})"
+              for kind in ("new", "numpy", "old")),
+            f"{row['old_ms'] / row['new_ms']:.1f}×",
+            " / ".join(f"±{row['noise'][kind]:.0%}" for kind in ("pass", "new", "numpy", "old"))])
+    return markdown_table(["elements", "ratio", "exchange", "one pass ms", "new ms (passes)",
+                           "new on numpy ms (passes)", "old ms (passes)", "speed-up",
+                           "noise pass / new / numpy / old"], cells, "rrlrrrrrl")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -249,6 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7,
                         help="interleaved timed repeats per case (medians are reported)")
     parser.add_argument("--seed", type=int, default=0)
+    add_results_option(parser, "topk")
     parser.add_argument("--parallel-min", type=int, default=None,
                         help="split kernels over the pool from this many elements (default: "
                              "kernels.PARALLEL_MIN, off on 2 cores)")
@@ -276,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             case = make_case(elements, ratio, args.seed)
             rows.append((elements, ratio, measure(case, args.repeats)))
             del case
-    report(rows)
+    results = {"kernels_split": split, "loops": native.describe(), "numpy": np.__version__,
+               "repeats": args.repeats, "seed": args.seed, "rows": summary(rows)}
+    write_results("topk", results, args.results)
+    print(table(results))
     return 0
 
 

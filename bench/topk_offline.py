@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
+from typing import Any
 
 import torch
+from ddp_tasks import CLASSES, DEFAULT_LR, MOMENTUM, TeacherStream, deep_mlp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_tasks import CLASSES, DEFAULT_LR, MOMENTUM, TeacherStream, deep_mlp
+from commd.testing.results import add_results_option, write_results
+from commd.testing.tables import markdown_table
 
 NODES = 2
 BATCH = 64
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="steps (default 150)")
     parser.add_argument("--dense-steps", type=int, default=0, metavar="N",
                         help="compressed variants run their first N steps dense (default 0)")
+    add_results_option(parser, "topk-offline")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
@@ -174,14 +176,27 @@ def main(argv: list[str] | None = None) -> int:
     dense = statistics.fmean(train("dense", 1.0, s, args.steps) for s in range(args.streams))
     warm_up = f", the first {args.dense_steps} dense" if args.dense_steps else ""
     print(f"{args.steps} steps{warm_up}, {args.streams} stream(s); "
-          f"dense final loss {dense:.3f}")
-    print("| variant | ratio | final loss | × dense |\n|---|---|---|---|")
+          f"dense final loss {dense:.3f}", flush=True)
+    rows = []
     for variant in variants:
         for ratio in ratios:
             loss = statistics.fmean(train(variant, ratio, s, args.steps, args.dense_steps)
                                     for s in range(args.streams))
-            print(f"| {variant} | {ratio:g} | {loss:.3f} | {loss / dense:.3f} |", flush=True)
+            rows.append({"variant": variant, "ratio": ratio, "final_loss": loss})
+            print(f"{variant} {ratio:g}: {loss:.3f}", flush=True)
+    results = {"steps": args.steps, "dense_steps": args.dense_steps, "streams": args.streams,
+               "dense_final_loss": dense, "rows": rows}
+    write_results("topk-offline", results, args.results)
+    print(table(results))
     return 0
+
+
+def table(results: dict[str, Any]) -> str:
+    """Each variant's and ratio's final loss, and as a multiple of dense's."""
+    dense = results["dense_final_loss"]
+    return markdown_table(["variant", "ratio", "final loss", "× dense"], [
+        [row["variant"], f"{row['ratio']:g}", f"{row['final_loss']:.3f}",
+         f"{row['final_loss'] / dense:.3f}"] for row in results["rows"]], "lrrr")
 
 
 if __name__ == "__main__":

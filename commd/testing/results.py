@@ -24,13 +24,15 @@ def results_path(name: str) -> Path:
     return RESULTS / f"{name}.json"
 
 
-def add_results_option(parser: argparse.ArgumentParser, name: str) -> None:
+def add_results_option(parser: argparse.ArgumentParser, name: str, *also: str) -> None:
     """``--results PATH``: where ``write_results`` puts the run's results (default
-    bench/results/``name``.json, '' for nowhere: a run that is not to replace them)."""
+    bench/results/``name``.json, '' for nowhere: a run that is not to replace them). ``also``
+    names the other results files a bench writes in other modes, for the help."""
+    default = ", ".join(f"bench/results/{n}.json" for n in (name, *also))
     parser.add_argument(
         "--results", metavar="PATH", default=None,
-        help=f"where the results go, with the command, commit and machine (default "
-             f"bench/results/{name}.json; '' writes none)")
+        help=f"where the results go, with the command, commit and machine (default {default}; "
+             f"'' writes none)")
 
 
 def write_results(name: str, payload: Mapping[str, Any], path: str | Path | None = None,

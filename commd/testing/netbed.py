@@ -18,9 +18,9 @@ started with ``popen`` (SIGTERM, then SIGKILL), then any process still inside on
 bed's namespaces, then the namespaces (which takes their veths and the bridge with them).
 Namespaces left by a bed whose process died (``kill -9``) are removed by the next bed.
 
-``python bench/netbed.py --nodes 2 --rate 100mbit`` measures TCP throughput between node 0
-and node 1 at that rate and unshaped; it prints a message and exits 0 when not root or when
-``ip netns`` does not work here.
+``.venv/bin/python -m commd.testing.netbed --nodes 2 --rate 100mbit`` measures TCP throughput
+between node 0 and node 1 at that rate and unshaped; it prints a message and exits 0 when not
+root or when ``ip netns`` does not work here.
 """
 
 from __future__ import annotations
@@ -36,11 +36,8 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
-
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # commd.testing when not installed
 
 from commd.testing.processes import stop_process
 
