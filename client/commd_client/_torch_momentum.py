@@ -1,4 +1,4 @@
-"""Momentum correction for top-k under the user's own SGD momentum (docs/compression.md).
+"""Momentum correction for top-k under the user's own SGD momentum (docs/design/compression.md).
 
 Top-k with error feedback holds a gradient back and sends it late in one piece; an optimizer
 with momentum then multiplies that lump again, and training runs behind momentum SGD's. Deep

@@ -1,5 +1,5 @@
-/* Compiled loops for the compressed path of one group (see docs/compression.md, "Native
- * kernels"). numpy needs one pass per operation and a temporary per step; these do each step
+/* Compiled loops for the compressed path of one group (see docs/design/compression.md,
+ * "Fast top-k"). numpy needs one pass per operation and a temporary per step; these do each step
  * of the path in one pass, without the GIL.
  *
  * Memory safety is checked here: every buffer's length is checked against the element counts

@@ -1,4 +1,5 @@
-"""Fused, chunked numpy kernels for the compressed path of one group (see docs/compression.md).
+"""Fused, chunked numpy kernels for the compressed path of one group
+(see docs/design/compression.md).
 
 Each kernel walks its buffer once in chunks of ``CHUNK`` elements, so the temporaries of one
 chunk stay in the CPU cache and nothing the size of the buffer is allocated. Buffers of at

@@ -1,5 +1,5 @@
-"""The dense rounds of a momentum-corrected compressed job (see docs/compression.md,
-"Momentum correction"): the velocity carried on, and what top-k held back released
+"""The dense rounds of a momentum-corrected compressed job (see docs/design/compression.md,
+"Momentum correction in the daemon"): the velocity carried on, and what top-k held back released
 gradually. One chunked numpy pass, or one compiled loop where they are built (native.py)."""
 
 from __future__ import annotations
