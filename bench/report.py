@@ -21,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from commd.testing.results import RESULTS, read_results
+from commd.testing.results import read_results
 from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "bench" / "report.md"
 DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "bench" / "results"  # this checkout's, whichever commd is installed
 COMMAND = ".venv/bin/python bench/report.py"
 MARKER = re.compile(r"^\{\{([a-z0-9-]+)\}\}$")
 RATES = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "loopback": "loopback"}
