@@ -5,17 +5,16 @@ is summed over the local ranks, all-reduced once among the nodes, scaled for avg
 back to every local rank; group g+1 is summed while group g is on the wire. What is ready is
 ``Readiness``'s business, which plan runs is ``PlanSchedule``'s.
 
-Where the buffers live is the business of ``BufferOps``. Host operations run when called.
-Device operations are stream-ordered: a group's local sum, collective and copy back are only
-enqueued, the clients are told ``done`` as soon as the iteration's last group is issued (their
-streams wait on the done event), and the iteration's record for the node's profile follows
-when the device has finished it.
+Where the buffers live is the business of ``BufferOps``; what launching a group, finishing
+it and ending an iteration mean is the pipeline's ``Mode`` (``commd.job.modes``: host
+buffers, device buffers, compressed), chosen once when the pipeline is built. The pipeline
+keeps the operations on one group that every mode shares (its node sum, its collective, its
+write-back), which ``TolerantPipeline`` replaces.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -38,6 +37,7 @@ from commd.job.measurements import (
     StepClock,
     WireClock,
 )
+from commd.job.modes import Mode, Prepare, Wired, mode_for
 from commd.job.readiness import Readiness, ReadyError
 from commd.job.schedule import Plan, PlanSchedule, make_plan
 from commd.job.trace import TraceRecorder
@@ -98,7 +98,6 @@ class Pipeline:
         self._ready = Readiness(len(self.buffers), len(self.sizes))
         self._schedule = PlanSchedule()
         self.ready_to_launch = LatencyWindow()  # last ready sent → the group's reduction issued
-        self._records: asyncio.Future[None] | None = None  # device: the last pending record
         self._group_views = GroupViews(self.buffers)
         self.trace: TraceRecorder | None = None  # `commd trace` armed: records iterations
         self.iteration = 0
@@ -111,6 +110,7 @@ class Pipeline:
                                       patient)
         self._compression_spec = compression
         self.compression = self._new_compression(node_index, nodes)
+        self.mode: Mode = mode_for(self, compression)  # chosen once: the kind of job
 
     def _new_compression(self, node_index: int, nodes: int) -> NodeCompression | None:
         """A compressed job's state for this node's place among ``nodes`` (residuals zero)."""
@@ -164,8 +164,7 @@ class Pipeline:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        if self._records is not None:
-            self._records.cancel()
+        self.mode.stop()
 
     def release(self) -> None:
         """Drop every view of the ranks' buffers, and the compression's state (after stop: the
@@ -188,88 +187,42 @@ class Pipeline:
             self._on_failure(exc)
 
     async def _iterate(self, plan: Plan) -> None:
-        finishing: list[asyncio.Future[Any]] = []
-        self._finishing = finishing  # a stop abandons them too (TolerantPipeline.suspend)
-        samples: list[CommSample] = []
-        wires: list[asyncio.Future[Any]] = []  # device: collectives still on the stream
-        # Every node issues the groups' collectives in plan order: a group issues its own
-        # once the previous group has issued all of its (a compressed group's may wait for
-        # CPU work and a broadcast in between).
-        turn = _completed()
+        run = self.mode.begin()
+        self._finishing = run.finishing  # a stop abandons them too (TolerantPipeline.suspend)
         for index, group in enumerate(plan.groups):
             await self._ready.wait_for(group)
             if self.trace is not None:
                 self.trace.group(self.iteration, plan, index)
-            if plan.exchanges[index] == "dense":
-                if not turn.done():
-                    await turn
-                finishing.append(await self._launch(plan, index, samples, wires))
-            else:
-                issued = asyncio.get_running_loop().create_future()
-                # A task: its CPU work starts now, overlapping earlier groups' wire time.
-                finishing.append(asyncio.ensure_future(
-                    self._compressed(plan, index, samples, turn, issued)))
-                turn = issued
+            run.finishing.append(await self.mode.launch(plan, index, run))
             if self.trace is not None:
-                self.trace.finishing(self.iteration, index, finishing[-1])
-        await _all_or_cancel(finishing)
+                self.trace.finishing(self.iteration, index, run.finishing[-1])
+        await _all_or_cancel(run.finishing)
         await self._commit(plan)
         done, ready_at, gains = self._advance(plan)
         if self.trace is not None:
             self.trace.iteration(done, plan, ready_at)
-        if not self.ops.stream_ordered:
-            self._on_record(self._records_clock.record(plan, done, ready_at, samples, gains,
-                                                       time.monotonic()))
-            self._on_complete(done, plan)
-            return
-        # Device: everything is issued. The clients' streams wait on the done event; the
-        # record follows once the device has finished (in order, never blocking the loop).
-        self.ops.release()
-        self._on_complete(done, plan)
-        finished = self.ops.fence()
-        previous = self._records
-        self._records = asyncio.ensure_future(self._record_when_finished(
-            previous, [*wires, finished], plan, done, ready_at, samples, gains))
+        self.mode.end(plan, done, ready_at, gains, run)
 
     def _advance(self, plan: Plan) -> tuple[int, np.ndarray, IterationGains]:
         """The iteration ``plan`` ran is over on this node: (its number, when each layer was
         ready, the compression's gains); the next iteration's marks start empty."""
-        gains = (self.compression.end_iteration(plan.exchanges)
-                 if self.compression is not None else IterationGains())
+        gains = self.mode.gains(plan)
         done = self.iteration
         self.done_plan = plan
         self.iteration += 1
         return done, self._ready.next_iteration(), gains
 
-    async def _record_when_finished(self, previous: asyncio.Future[None] | None,
-                                    pending: list[asyncio.Future[Any]], plan: Plan,
-                                    iteration: int, ready_at: np.ndarray,
-                                    samples: list[CommSample], gains: IterationGains) -> None:
-        try:
-            if previous is not None:
-                with contextlib.suppress(Exception):  # its failure was reported already
-                    await previous
-            await asyncio.gather(*pending)
-            finished = time.monotonic()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._on_failure(exc)
-            return
-        self._on_record(self._records_clock.record(plan, iteration, ready_at, samples, gains,
-                                                    finished))
+    # --- the operations on one group, for the mode (``commd.job.modes.Stage``) ------------------
 
-    async def _launch(
-        self, plan: Plan, index: int, samples: list[CommSample],
-        wires: list[asyncio.Future[Any]],
-    ) -> asyncio.Future[Any]:
-        """Sum the local ranks into the first one's buffer, then put the group on the wire."""
+    async def to_wire(self, plan: Plan, index: int, samples: list[CommSample],
+                      prepare: Prepare | None = None) -> Wired:
+        """Sum the local ranks into the first one's buffer (then ``prepare`` it), and put the
+        group on the wire."""
         views = self._group_views(plan, index)
         self.ops.acquire()
         total = await self._node_sum(plan, index, views)
-        if self.compression is not None and self.compression.dense_work:
-            # A compressed job runs dense: what top-k held back goes too.
-            await self._memory(self.compression.flush, total, *plan.spans[index])
+        if prepare is not None:
+            await self._memory(prepare, total, *plan.spans[index])
         wire: asyncio.Future[Any] | None = None
         if self.engine is not None:
             wire = self._wire_clock.timed(self.engine.allreduce(total, self.dtype),
@@ -280,13 +233,25 @@ class Pipeline:
         if self.trace is not None:
             self.trace.launched(self.iteration, index, wire)
         self._note_launch(plan.groups[index])
-        if not self.ops.stream_ordered:
-            return asyncio.ensure_future(self._finish(wire, total, views))
-        # Stream-ordered: the copy back queues behind the collective on the same stream.
-        if wire is not None:
-            wires.append(wire)
+        return Wired(total, views, wire)
+
+    async def finish_group(self, wired: Wired) -> None:
+        await self._finish(wired.wire, wired.total, wired.views)
+
+    def enqueue_write_back(self, wired: Wired) -> None:
+        views = wired.views
         self.ops.finish(views[0], views[1:], self._factor(), self.dtype)
-        return _completed()
+
+    def record(self, plan: Plan, iteration: int, ready_at: np.ndarray,
+               samples: list[CommSample], gains: IterationGains, finished: float) -> None:
+        self._on_record(self._records_clock.record(plan, iteration, ready_at, samples, gains,
+                                                   finished))
+
+    def complete(self, iteration: int, plan: Plan) -> None:
+        self._on_complete(iteration, plan)
+
+    def fail(self, error: BaseException) -> None:
+        self._on_failure(error)
 
     def _note_launch(self, group: Sequence[int]) -> None:
         sent = self._ready.last_sent(group)
@@ -296,8 +261,8 @@ class Pipeline:
     def _factor(self) -> float:
         return 1.0 / self.world_size if self.op == "avg" and self.world_size > 1 else 1.0
 
-    async def _compressed(self, plan: Plan, index: int, samples: list[CommSample],
-                          turn: asyncio.Future[None], issued: asyncio.Future[None]) -> None:
+    async def exchange(self, plan: Plan, index: int, samples: list[CommSample],
+                       turn: asyncio.Future[Any], issued: asyncio.Future[None]) -> None:
         """A top-k group: its collectives wait for ``turn``; ``issued`` once they are."""
         assert self.compression is not None
         iteration = self.iteration
@@ -388,9 +353,3 @@ async def _all_or_cancel(futures: Sequence[asyncio.Future[Any]]) -> None:
         for future in futures:
             future.cancel()
         raise
-
-
-def _completed() -> asyncio.Future[Any]:
-    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    future.set_result(None)
-    return future
