@@ -66,14 +66,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import msgspec
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from commd.daemon.peer_security import ClusterKey, connect_securely
+from commd.testing import fuzz
 from commd.testing.daemons import LocalDaemon
+from commd.testing.fuzz import CODES, DUP, POOL, TAGS, Raw, builtins, decoded, pack, stack_sensitive
 from commd.testing.processes import finish, start_json_worker
 from commd.testing.results import write_results
 from commd.testing.tables import markdown_table
@@ -85,7 +86,6 @@ from commd_protocol import (
     CommdError,
     Done,
     Error,
-    ErrorCode,
     Goodbye,
     Hello,
     Layer,
@@ -104,62 +104,18 @@ from commd_protocol import (
     Wait,
     Welcome,
 )
-from commd_protocol.codec import MAX_MESSAGE_BYTES, client_codec, daemon_codec, peer_codec
+from commd_protocol.codec import MAX_MESSAGE_BYTES, daemon_codec, peer_codec
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.messages import Registered
 
-CODES = {code.value for code in ErrorCode}
-POOL = ("fz0", "fz1", "fz2")  # few job ids, so that the frames of an episode meet each other
 RSS_TARGET_MB = 50.0
 JOB_LAYERS = [("conv.weight", 1728), ("conv.bias", 64), ("fc.weight", 4096), ("fc.bias", 10)]
 JOB_ITERATIONS = 5
+SPECIAL = [*fuzz.SPECIAL, [0] * 3000]
+FIELDS = sorted({*fuzz.FIELDS, *PeerSetup.__struct_fields__})
 
 
 # --- frames --------------------------------------------------------------------------------
-
-
-class Raw(bytes):
-    """MessagePack bytes placed verbatim where a value goes (deep nesting, invalid UTF-8)."""
-
-
-DUP = "\x00dup"  # key under which a map keeps the (key, value) pairs it repeats
-
-
-def pack(value: Any) -> bytes:
-    if isinstance(value, Raw):
-        return bytes(value)
-    if isinstance(value, dict):
-        items = [(k, v) for k, v in value.items() if k != DUP] + list(value.get(DUP, []))
-        return _header(len(items), 0x80, b"\xde", b"\xdf") + b"".join(
-            pack(k) + pack(v) for k, v in items)
-    if isinstance(value, list):
-        return _header(len(value), 0x90, b"\xdc", b"\xdd") + b"".join(pack(v) for v in value)
-    return msgpack.packb(value, use_bin_type=True)
-
-
-def _header(n: int, fix: int, b16: bytes, b32: bytes) -> bytes:
-    if n < 16:
-        return bytes([fix | n])
-    return b16 + n.to_bytes(2, "big") if n < 65536 else b32 + n.to_bytes(4, "big")
-
-
-def builtins(message: msgspec.Struct) -> dict[str, Any]:
-    value: dict[str, Any] = msgspec.to_builtins(message, builtin_types=(bytes,))
-    return value
-
-
-HUGE = [2**31, 2**31 - 1, -(2**31) - 1, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1]
-SPECIAL: list[Any] = [
-    None, True, False, 0, -1, *HUGE, math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324,
-    "", "x" * 5000, "x" * 200_000, "\u202e\x00", Raw(b"\xa2\xff\xfe"), b"", b"\x00" * 70,
-    [], {}, [None], [[]], {"": None}, {1: 2}, msgpack.ExtType(5, b"ext"),
-    msgpack.Timestamp(0, 0), Raw(b"\xd5\xff\x00\x00"), [-1], [2**63 - 1], [math.nan],
-    [[0, 0, math.inf, 1.0]], [{"name": "w", "size": -1}], [{"name": "w", "size": 2**63 - 1}],
-    [{"name": 1, "size": "1"}], [{"size": 1}], [0] * 3000,
-]
-TAGS = sorted({*client_codec._tags, *daemon_codec._tags, *peer_codec._tags})
-FIELDS = sorted({f for struct in (Hello, Register, Ready, Wait, PeerJoin, PeerProfile, PeerPlan,
-                                  PeerSetup) for f in struct.__struct_fields__})
 
 
 class Frames:
@@ -492,28 +448,6 @@ def classify(frame: bytes, side: Side, findings: Findings, sent: list[Any]) -> A
     else:
         side.replies[str(tag)] += 1
     return message
-
-
-def decoded(frame: Any) -> Any:
-    if not isinstance(frame, bytes):
-        return None
-    try:
-        return client_codec.decode(frame)
-    except ProtocolViolation:
-        return None
-
-
-def _decoded_deeper(frame: bytes, frames: int) -> Any:
-    return _decoded_deeper(frame, frames - 1) if frames else decoded(frame)
-
-
-def stack_sensitive(frame: Any) -> bool:
-    """A goodbye or status whose decoding depends on the caller's stack depth (msgspec's
-    nesting limit is Python's recursion limit): the daemon may call it malformed where this
-    process sees the message, and a reply would be missing or extra. Such frames are not
-    sent; tests/test_fuzz.py has the case as an xfail test."""
-    return isinstance(decoded(frame), Goodbye | StatusRequest) and \
-        _decoded_deeper(frame, 200) is None
 
 
 class IpcEpisode:
