@@ -48,6 +48,7 @@ from typing import Any
 import ddp_tasks  # a sibling file: bench/ is sys.path[0] of a script run from it
 
 from commd.compression.topk import parse_compression
+from commd.testing.harness import rank_or_main
 from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
 from commd.testing.results import add_results_option, write_results
 from commd.testing.tables import markdown_table
@@ -748,9 +749,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        print(json.dumps(run_rank(json.loads(sys.argv[2]))), flush=True)
-    elif len(sys.argv) > 1 and sys.argv[1] == "_daemon":
+    if sys.argv[1:2] == ["_daemon"]:
         serve_daemon(*sys.argv[2:5])
     else:
-        sys.exit(main())
+        sys.exit(rank_or_main(run_rank, main))

@@ -21,7 +21,6 @@ pairs of fresh ÷ zeroed (below 1: the fresh tensor is cheaper).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -35,6 +34,7 @@ import ddp_compare  # sibling files: bench/ is sys.path[0] of a script run from 
 import ddp_tasks
 
 from commd.compression.topk import parse_compression
+from commd.testing.harness import rank_or_main
 from commd.testing.processes import start_json_worker
 from commd.testing.results import add_results_option, write_results
 from commd.testing.tables import markdown_table
@@ -162,7 +162,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        print(json.dumps(run_rank(json.loads(sys.argv[2]))), flush=True)
-    else:
-        sys.exit(main())
+    sys.exit(rank_or_main(run_rank, main))

@@ -55,6 +55,7 @@ import text_lm
 
 from commd.compression.topk import parse_compression
 from commd.testing import netbed
+from commd.testing.harness import rank_or_main
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, start_json_worker
 from commd.testing.provenance import provenance
@@ -559,7 +560,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        print(json.dumps(run_rank(json.loads(sys.argv[2]))), flush=True)
-    else:
-        sys.exit(main())
+    sys.exit(rank_or_main(run_rank, main))

@@ -136,3 +136,14 @@ class JsonLineWorker:
         if self.process.stdout is not None:
             with contextlib.suppress(OSError):
                 self.process.stdout.close()
+
+
+def rank_or_main(run_rank: Callable[[dict[str, Any]], dict[str, Any]],
+                 main: Callable[[], int]) -> int:
+    """A bench that is also its own rank worker: ``script.py _rank '<json spec>'`` runs one
+    rank and prints its result as one JSON line (what ``start_json_worker`` reads); any other
+    command line is ``main()``."""
+    if sys.argv[1:2] == ["_rank"]:
+        print(json.dumps(run_rank(json.loads(sys.argv[2]))), flush=True)
+        return 0
+    return main()
