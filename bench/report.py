@@ -176,7 +176,7 @@ def render(template: Path = TEMPLATE, results: Path = RESULTS) -> str:
                              f"known: {', '.join([*RENDERERS, *WITHOUT_RESULTS])}")
         path = results / f"{name}.json"
         if not path.exists():
-            out.append(f"No results yet: `{path.relative_to(ROOT)}` is missing.")
+            out.append(f"No results yet: `bench/results/{name}.json` is missing.")
             continue
         out.append(RENDERERS[name](read_results(path)))
     return "\n".join(out).rstrip("\n") + "\n"
