@@ -1,5 +1,5 @@
 """A Hugging Face Accelerate training script, written the way Accelerate's examples are, run by
-``tests/test_accelerate.py`` with stock ``accelerate.Accelerator`` (ACC_IMPL=stock) or
+``tests/daemon/test_accelerate.py`` with stock ``accelerate.Accelerator`` (ACC_IMPL=stock) or
 ``commd_client.accelerate.Accelerator`` (ACC_IMPL=commd): the one line that differs.
 
 A small model with BatchNorm on a seeded synthetic dataset through a prepared DataLoader, SGD

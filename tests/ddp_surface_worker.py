@@ -1,4 +1,4 @@
-"""One rank of tests/test_ddp_surface.py: torch DDP's surface called as frameworks call it.
+"""One rank of tests/daemon/test_ddp_surface.py: torch DDP's surface called as frameworks call it.
 
 Each scenario runs twice in this process, stock torch DDP first, then commd's wrapper, from
 the same seeds; the framework code it replays is copied from PyTorch Lightning 2.6 and

@@ -1,4 +1,4 @@
-"""A Lightning training script, run by tests/test_lightning.py under ``strategy="ddp"`` and
+"""A Lightning training script, run by tests/daemon/test_lightning.py under ``strategy="ddp"`` and
 under commd's strategy from the same seeds; every rank saves what it ended with.
 
 Launch ``lightning``: started once, Lightning's own launcher (``start_method="popen"``, the way

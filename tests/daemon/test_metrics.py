@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from metrics_scrape import Samples, metrics_address, parse, scrape, value
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,40 +43,8 @@ from ranks import JobSpec, await_registered, collect, start_ranks
 pytestmark = pytest.mark.timeout(120)
 
 LAYERS = [("w0", 4096), ("b0", 16), ("w1", 2048), ("b1", 8)]
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def parse(text: str) -> Samples:
-    """Every sample of a scrape, by (sample name, labels)."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(address: str) -> tuple[Samples, set[str]]:
-    """GET http://ADDRESS/metrics: its samples and the families' types ("name type")."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        assert reply.status == 200
-        assert reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    kinds = {f"{f.name} {f.type}" for f in text_string_to_metric_families(text)}
-    return parse(text), kinds
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
-
-
 def jobs_in(samples: Samples) -> set[str]:
     return {v for (_, labels) in samples for k, v in labels if k == "job"}
-
-
-def metrics_address(daemon: Any) -> str:
-    """The address a `commd run` subprocess serves metrics on: its READY status line says."""
-    for note in daemon.notifications:
-        match = re.search(r"metrics on (\S+:\d+)", note)
-        if match:
-            return match.group(1).rstrip(",")
-    raise AssertionError(f"no metrics address in {daemon.notifications}")
 
 
 def listening_ports(pid: int) -> set[int]:

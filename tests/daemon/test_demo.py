@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 from bench_scripts import load_script
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
 SUMMARY = re.compile(r"^\[demo\] rank (\d): mean loss per 10 steps ([\d.]+) → ([\d.]+) → ([\d.]+); "
                      r"[\d.]+ ms a step; params checksum (\S+)$")
 

@@ -14,7 +14,7 @@ from bench_scripts import assert_usage_error, load_bench_script
 
 bench = load_bench_script("elastic.py", "bench_elastic")
 Record = bench.Record
-COMMITTED = Path(__file__).resolve().parents[1] / "bench" / "results" / "elastic.json"
+COMMITTED = Path(__file__).resolve().parents[2] / "bench" / "results" / "elastic.json"
 
 
 def steps(numbers: list[int], start: float = 0.0, every: float = 0.01,

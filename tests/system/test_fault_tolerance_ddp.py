@@ -38,7 +38,7 @@ from commd.testing.processes import FinishTimeout, finish
 
 pytestmark = pytest.mark.timeout(240)
 
-WORKER = str(Path(__file__).with_name("ft_ddp_worker.py"))
+WORKER = str(Path(__file__).parents[1] / "ft_ddp_worker.py")
 STEPS = 12
 KILL_STEP = 5
 VICTIM_EXIT = 17  # ft_ddp_worker's os._exit code

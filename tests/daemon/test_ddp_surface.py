@@ -34,7 +34,7 @@ from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, kill_all
 
-WORKER = Path(__file__).with_name("ddp_surface_worker.py")
+WORKER = Path(__file__).parents[1] / "ddp_surface_worker.py"
 WORLD_SIZE = 2
 RUN_TIMEOUT_S = 90.0  # all scenarios, both implementations: ~15 s on two cores when it works
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

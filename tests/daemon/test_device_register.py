@@ -76,7 +76,7 @@ async def test_bad_device_fields_are_named(daemon: Daemon, connect: Any) -> None
 
 async def test_a_device_buffer_without_a_usable_gpu(daemon: Daemon, connect: Any) -> None:
     if usable_gpu():
-        pytest.skip("this machine has a GPU: tests/test_gpu.py covers it")
+        pytest.skip("this machine has a GPU: tests/daemon/test_gpu.py covers it")
     client = connect()
     await client.ask(hello(coordinator=coordinator_of(daemon)))
     reply = await client.ask(DEVICE)

@@ -23,7 +23,7 @@ from commd_protocol import Done, StatusReply, StatusRequest, encode
 from commd_protocol.codec import client_codec
 from commd_protocol.status import read_status
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def status_cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ from commd.testing.processes import finish, kill_all, run_launchers
 
 pytestmark = pytest.mark.timeout(150)
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 WORKER = str(TESTS / "elastic_launch_worker.py")
 SPAWN = str(TESTS / "elastic_spawn_worker.py")
 EXAMPLE = TESTS.parent / "examples" / "elastic_train.py"

@@ -34,7 +34,7 @@ from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 
-SCRIPT = Path(__file__).with_name("ddp_twice_worker.py")
+SCRIPT = Path(__file__).parents[1] / "ddp_twice_worker.py"
 WORLD_SIZE = 2
 RUN_TIMEOUT_S = 60.0  # a run takes ~5 s; a hang until the client timeout would take 120 s
 HEARD_WITHIN_S = 15.0

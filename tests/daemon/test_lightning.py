@@ -60,7 +60,7 @@ from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 from commd_client import CommdError
 
-SCRIPT = Path(__file__).with_name("lightning_worker.py")
+SCRIPT = Path(__file__).parents[1] / "lightning_worker.py"
 WORLD_SIZE = 2
 RUN_TIMEOUT_S = 90.0  # a run takes ~10 s on two busy cores; a hang ends as a failure
 COMMD_DDP = "commd_client.torch.DistributedDataParallel"

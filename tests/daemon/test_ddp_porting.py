@@ -60,7 +60,7 @@ from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
 from commd.testing.processes import run_launchers
 
-SCRIPTS = Path(__file__).with_name("ddp_scripts")
+SCRIPTS = Path(__file__).parents[1] / "ddp_scripts"
 RUNNER = SCRIPTS / "run_scenarios.py"
 WORLD_SIZE = 3
 RUN_TIMEOUT_S = 90.0  # one run of all scenarios on every rank: about 10 s when it works

@@ -20,7 +20,7 @@ from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET, DTYPES
 from commd_protocol.dtypes import itemsize
 from commd_protocol.layout import backward_offsets, group_span
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ENV_NAMES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "COMMD_JOB", "COMMD_COORDINATOR", "COMMD_SOCKET",

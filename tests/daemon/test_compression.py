@@ -97,7 +97,7 @@ def test_ddp_with_compression_keeps_ranks_identical(start_daemon) -> None:
     from pathlib import Path
 
     nodes = [start_daemon(), start_daemon()]
-    script = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "train.py"
     processes = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",

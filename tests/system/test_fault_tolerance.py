@@ -28,7 +28,7 @@ from ranks import daemon_status
 
 pytestmark = pytest.mark.timeout(180)
 
-WORKER = str(Path(__file__).with_name("tolerant_worker.py"))
+WORKER = str(Path(__file__).parents[1] / "tolerant_worker.py")
 LAYERS = [("a", 3000), ("b", 700), ("c", 50)]
 PEER_TIMEOUT_S = 3
 

@@ -19,7 +19,7 @@ import commd_protocol
 
 from daemons import DaemonProcess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCE = "protocol/commd_protocol/__init__.py"
 # `__version__ = "…"` or pyproject's `version = "…"`: a statement of the version, not a use.
 STATED = re.compile(r"""^\s*(__version__|version)\s*(:\s*str\s*)?=\s*["']""", re.MULTILINE)

@@ -16,7 +16,7 @@ import pytest
 from commd.daemon import settings
 from commd.daemon.settings import OPTIONS, Settings, SettingsError, load, split_host_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:

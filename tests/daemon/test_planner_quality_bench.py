@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "planner_quality.py"
 PLANNERS = ["wfbp", "syncea", "fixed-25MB", "ddp", "horovod", "mgwfbp", "optimal"]
 ENTRY_KEYS = {"iteration_s", "ratio_to_optimal", "scaling_efficiency", "num_groups"}

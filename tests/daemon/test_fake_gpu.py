@@ -3,7 +3,7 @@ the real GPU worker (tests/gpu_worker.py) exchange "device" buffers through IPC 
 (shared-memory segments in the fake), events and done events. This checks the plumbing —
 registration fields, CudaOps, the stream-ordered pipeline, the watcher, the client's device
 buffer — not CUDA itself: the fake runs every kernel at once with host_ops and its events do
-nothing. tests/test_gpu.py runs the same jobs on a real GPU."""
+nothing. tests/daemon/test_gpu.py runs the same jobs on a real GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from gpu_jobs import assert_exact, run_job
 pytestmark = pytest.mark.timeout(120)
 
 FAKE = {"PYTHONPATH": os.pathsep.join(
-    [str(Path(__file__).with_name("fake_cupy")), *os.environ.get("PYTHONPATH", "").split(
+    [str(Path(__file__).parents[1] / "fake_cupy"), *os.environ.get("PYTHONPATH", "").split(
         os.pathsep)]).rstrip(os.pathsep)}
 
 

@@ -34,7 +34,7 @@ from commd_protocol.codec import client_codec, daemon_codec
 from inprocess import RawClient, hello, register_job, still_serving
 from ranks import JobSpec, await_registered, collect, start_ranks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAYERS = [{"name": "conv.weight", "size": 64}, {"name": "conv.bias", "size": 8},
           {"name": "fc.weight", "size": 32}]
 EPS_US = 0.01  # the file's times are rounded to 0.001 µs

@@ -55,7 +55,7 @@ from commd.testing.processes import FinishTimeout, finish, kill_all, start_json_
 
 pytestmark = pytest.mark.timeout(180)
 
-WORKER = str(Path(__file__).with_name("ft_fault_worker.py"))
+WORKER = str(Path(__file__).parents[1] / "ft_fault_worker.py")
 PEER_TIMEOUT_S = 3
 ITERATIONS = 8
 HOLD_AT = 3  # the fault lands in this iteration
@@ -292,7 +292,7 @@ def netns_daemons(workdir: Path, layout: Layout, peer_timeout_s: float = PEER_TI
     root, or no ``ip``)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from netbed import NetBed, NetBedUnavailable
 
     try:

@@ -51,7 +51,7 @@ from commd.testing.processes import run_launchers
 from commd_client.accelerate import Accelerator
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
 
-WORKER = Path(__file__).with_name("accelerate_worker.py")
+WORKER = Path(__file__).parents[1] / "accelerate_worker.py"
 WORLD_SIZE = 2
 RUN_TIMEOUT_S = 90.0  # a run takes a few seconds; a hang until the client timeout takes 120
 COMMD_DDP = "commd_client.torch.DistributedDataParallel"

@@ -18,9 +18,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from metrics_scrape import metrics_address, scrape, value
 from prometheus_client.parser import text_string_to_metric_families
 from test_fault_tolerance import LAYERS, expected_digest, results
-from test_metrics import metrics_address, scrape, value
 
 from commd.cli.status import CHANGES_SHOWN, render
 from commd.daemon.metrics import Counts, Metrics
@@ -35,7 +35,7 @@ from ranks import daemon_status
 
 pytestmark = pytest.mark.timeout(180)
 
-WORKER = str(Path(__file__).with_name("membership_worker.py"))
+WORKER = str(Path(__file__).parents[1] / "membership_worker.py")
 PEER_TIMEOUT_S = 3
 WAIT_S = 60.0  # for a rank to reach a gate, a trace to be armed
 

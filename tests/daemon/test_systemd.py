@@ -17,7 +17,7 @@ import pytest
 
 from commd.daemon import sdnotify
 
-SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD_DIR / "commd.service"
 CONFIG = SYSTEMD_DIR / "commd.toml"
 ANALYZE = shutil.which("systemd-analyze")

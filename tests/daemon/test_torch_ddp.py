@@ -29,8 +29,8 @@ from commd_client import CommdError
 from commd_client._torch_common import check_cpu
 from commd_client.torch import DistributedDataParallel
 
-WORKER = str(Path(__file__).with_name("ddp_worker.py"))
-EXAMPLE = str(Path(__file__).parents[1] / "examples" / "train.py")
+WORKER = str(Path(__file__).parents[1] / "ddp_worker.py")
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "train.py")
 
 
 @pytest.fixture(scope="module")

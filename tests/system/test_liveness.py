@@ -150,7 +150,7 @@ def test_a_link_down_fails_every_rank_naming_the_node(tmp_path: Path) -> None:
     """Two daemons in network namespaces; node 1's link is set down mid-job."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from netbed import NetBed, NetBedUnavailable
 
     from commd.testing.daemons import LocalDaemon

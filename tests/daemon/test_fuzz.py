@@ -618,7 +618,7 @@ def test_the_worst_frame_mode_runs_and_checks_itself(tmp_path: Any) -> None:
     import sys
     from pathlib import Path
 
-    bench = Path(__file__).parents[1] / "bench" / "fuzz.py"
+    bench = Path(__file__).parents[2] / "bench" / "fuzz.py"
     out = tmp_path / "worst.json"
     done = subprocess.run([sys.executable, str(bench), "--worst", "--max-layers", "256",
                            "--window", "0.2", "--limit-ms", "60000", "--json", str(out)],

@@ -17,7 +17,7 @@ from commd.testing.processes import finish, start_json_worker
 
 pytestmark = pytest.mark.timeout(180)
 
-WORKER = str(Path(__file__).with_name("rejoin_ddp_worker.py"))
+WORKER = str(Path(__file__).parents[1] / "rejoin_ddp_worker.py")
 
 
 @pytest.fixture
