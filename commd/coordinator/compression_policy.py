@@ -16,7 +16,7 @@
   the AR-compatible exchange at the ratio; ``ExchangeTrials`` measures them and keeps the
   fastest. A forced exchange is never changed and never measured against the others.
 
-Pure: the ``Replanner`` feeds it the nodes' reports and plans with what it returns.
+Pure: ``CompressedChoice`` feeds it the nodes' reports and plans with what it returns.
 """
 
 from __future__ import annotations

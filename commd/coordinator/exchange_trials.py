@@ -36,7 +36,7 @@ round and its measured step time decides:
    later epoch a best candidate whose search is done has run its searched plan in its trial:
    its close rivals get the same round before it is chosen.
 
-Pure: no I/O, no clock; the ``Replanner`` feeds it rounds and runs what it returns.
+Pure: no I/O, no clock; ``CompressedChoice`` feeds it rounds and runs what it returns.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from commd.coordinator.compressed_choice import choice_for
 from commd.coordinator.membership import Membership, Takeover
 from commd.coordinator.replanner import Replanner
 from commd.coordinator.watch import JobWatch
@@ -65,7 +66,8 @@ class Deadlines:
 
 def replanner_for(join: PeerJoin, nodes: int) -> Replanner:
     """The plans' owner of a job whose layers ``join`` gives, among ``nodes`` nodes (a job
-    formed here, or taken over here from a lost coordinator)."""
+    formed here, or taken over here from a lost coordinator): the dense re-planning, composed
+    with the choice of what its groups exchange."""
     size = itemsize(join.dtype)
     return Replanner(join.planner, [layer.size * size for layer in join.layers], nodes=nodes,
-                     compression=join.compression, itemsize=size)
+                     choice=choice_for(join.compression, nodes, size))

@@ -17,7 +17,7 @@ from then on as measured (``Trial.plan``), not the model's plan for its overhead
 with the profile. A plan the model would not change is skipped without a round. While the
 model's own plan is one group there is nothing to search; the search starts when it first
 proposes more. A search may start from a given overhead (a plan measured before, see
-``Replanner._enable_search``) and goes up from there. Pure: no I/O, no clock.
+``CompressedChoice.search``) and goes up from there. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -125,3 +125,12 @@ class PlanSearch:
         return (f"plan search: {best.groups} group(s) measured fastest "
                 f"({best.step_s * 1e3:.1f} ms/step): keeping overhead "
                 f"{best.overhead_s * 1e6:.0f} µs")
+
+
+def kept_groups(search: PlanSearch | None, overhead_s: float) -> list[list[int]]:
+    """The groups a finished ``search`` kept, as they ran, where the plan is made with its
+    kept trial's overhead ``overhead_s``; [] otherwise."""
+    best = search.best if search is not None and search.done else None
+    if best is None or not best.plan or best.overhead_s != overhead_s:
+        return []
+    return [list(group) for group in best.plan]

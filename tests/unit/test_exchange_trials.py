@@ -293,9 +293,9 @@ def test_replanner_measures_the_exchanges_and_keeps_the_fastest() -> None:
     assert decision.selection == "measured"
     measured = {name: m for name, _, m in decision.candidates}
     assert measured["dense"] == pytest.approx(0.040)
-    assert replanner.policy is not None
-    assert replanner.policy.cpu.update_s_per_element == pytest.approx(2e-9)
-    assert replanner.policy.cpu.per_group_s == pytest.approx(1e-4)
+    assert replanner.choice.policy is not None
+    assert replanner.choice.policy.cpu.update_s_per_element == pytest.approx(2e-9)
+    assert replanner.choice.policy.cpu.per_group_s == pytest.approx(1e-4)
 
 
 def test_a_forced_exchange_is_never_measured_against_others() -> None:
@@ -361,7 +361,7 @@ def test_topk_auto_runs_no_round_below_0_1_when_the_nodes_report_their_gains() -
         decision = replanner.decide([report(round_, decision.version, step, gains=gains)])
         ratios.append(decision.ratio)
     assert ratios[0] == 0.1 and not {0.01, 0.001} & set(ratios), ratios[:6]
-    assert replanner.policy is not None and not replanner.policy.exploring
+    assert replanner.choice.policy is not None and not replanner.choice.policy.exploring
     # Settled: the ratio stays once its epoch ends (a re-solve after the first re-measuring
     # may move it a little with the gain model).
     assert len(set(ratios[50:])) == 1 and 0.001 < ratios[-1] <= 0.1, ratios[:12]

@@ -233,7 +233,7 @@ def test_a_compressed_job_that_chose_dense_searches_its_plan_like_a_dense_job() 
     assert chosen < 4 and all(kind == "dense" for kind, _, _ in ran[chosen:]), ran
     assert "measuring" in {state for _, _, state in ran}
     assert replanner.search.state == "done" and ran[-1][1] == 1, ran
-    trials = replanner.policy.trials if replanner.policy else None
+    trials = replanner.choice.policy.trials if replanner.choice.policy else None
     assert trials is not None and trials.reference_s == pytest.approx(step_of("dense", 1))
 
 
@@ -254,7 +254,7 @@ def test_a_compressed_job_searches_the_plan_of_the_compressed_candidate_it_chose
     assert "measuring" in {state for _, _, state in ran}
     assert replanner.search.state == "done" and ran[-1] == ("allgather", 1, "done"), ran
     assert [kind for kind, _, _ in ran].count("dense") <= 1  # measured once, never again
-    trials = replanner.policy.trials if replanner.policy else None
+    trials = replanner.choice.policy.trials if replanner.choice.policy else None
     assert trials is not None and trials.epoch == 0
     assert trials.reference_s == pytest.approx(step_of("allgather", 1))
 
@@ -279,9 +279,9 @@ def test_dense_measured_with_the_searched_plan_wins_back_on_loopback() -> None:
     replay = kinds.index("dense", searched)
     assert ran[replay] == ("dense", 1, "off"), ran  # the allgather's searched plan
     assert ran[replay + 1:] == [("dense", 1, "done")] * (len(ran) - replay - 1), ran
-    policy = replanner.policy
+    policy = replanner.choice.policy
     assert policy is not None and policy.trials.chosen == DENSE and policy.trials.epoch == 0
-    assert replanner.search is replanner._searches[DENSE]
+    assert replanner.search is replanner.choice.searches[DENSE]
 
 
 def test_a_finalist_slower_on_the_searched_plan_leaves_the_compressed_choice() -> None:
@@ -298,7 +298,7 @@ def test_a_finalist_slower_on_the_searched_plan_leaves_the_compressed_choice() -
     kinds = [kind for kind, _, _ in ran]
     assert kinds.count("dense") == 2, ran  # the trial and the round on the searched plan
     assert ran[-8:] == [("allgather", 1, "done")] * 8, ran
-    policy = replanner.policy
+    policy = replanner.choice.policy
     chosen = policy.trials.chosen if policy is not None else None
     assert chosen is not None and chosen.exchange == "allgather", chosen
 
@@ -307,30 +307,30 @@ def test_each_chosen_candidate_has_its_own_search() -> None:
     replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:0.01")
     drive_compressed(replanner, lambda kind, g: 0.2 if kind == "dense" else 0.05 + 0.001 * g,
                      16)
-    policy = replanner.policy
+    policy = replanner.choice.policy
     assert policy is not None and policy.trials.chosen is not None
-    searched = replanner._searches[policy.trials.chosen]
+    searched = replanner.choice.searches[policy.trials.chosen]
     assert searched is replanner.search and searched.done
-    assert searched.overhead_s == replanner._overhead_of(policy.trials.chosen) > 0
-    assert replanner._overhead_of(DENSE) == 0.0  # never chosen: planned as the model says
+    assert searched.overhead_s == replanner.choice.overhead_of(policy.trials.chosen) > 0
+    assert replanner.choice.overhead_of(DENSE) == 0.0  # never chosen: planned as the model says
 
 
 def test_a_long_job_keeps_a_bounded_number_of_searches() -> None:
     """Every re-measuring may settle on a new ratio, so a new candidate: a job that runs
     for weeks must not keep a search for each."""
+    from commd.coordinator.compressed_choice import MAX_SEARCHES
     from commd.coordinator.exchange_trials import Candidate
-    from commd.coordinator.replanner import MAX_SEARCHES
 
     replanner = Replanner("optimal", [1 << 20] * 16, nodes=2, compression="topk:0.01")
-    policy = replanner.policy
+    policy = replanner.choice.policy
     assert policy is not None
     for number in range(3 * MAX_SEARCHES):
         candidate = Candidate("allgather", 0.01 + number * 1e-4)
-        policy.trials.chosen = policy.running = replanner._next = candidate
-        replanner._enable_search()
-        assert replanner.search is replanner._searches[candidate]
-    assert len(replanner._searches) == MAX_SEARCHES
-    assert Candidate("allgather", 0.01) not in replanner._searches  # the oldest went first
+        policy.trials.chosen = policy.running = replanner.choice.next = candidate
+        replanner.search = replanner.choice.search(replanner.search)
+        assert replanner.search is replanner.choice.searches[candidate]
+    assert len(replanner.choice.searches) == MAX_SEARCHES
+    assert Candidate("allgather", 0.01) not in replanner.choice.searches  # the oldest went first
 
 
 def test_a_forced_exchange_searches_once_its_ratio_is_settled() -> None:
@@ -340,7 +340,7 @@ def test_a_forced_exchange_searches_once_its_ratio_is_settled() -> None:
     assert {kind for kind, _, _ in ran} == {"allgather"}  # never measured against dense
     assert ran[1][2] == "off"  # exploring ratios: no search
     assert replanner.search.state == "done" and ran[-1][1] == 1, ran
-    policy = replanner.policy
+    policy = replanner.choice.policy
     assert policy is not None and policy.settled == policy.running
 
 
@@ -349,7 +349,7 @@ def test_the_explored_ratios_run_one_group_each_then_the_chosen_plan_is_searched
     the first plan's), not the model's many groups for one and one group for the other."""
     replanner = Replanner("optimal", [1 << 20] * 16, nodes=2,
                           compression="topk:auto:allgather")
-    policy = replanner.policy
+    policy = replanner.choice.policy
     assert policy is not None
     sizes = len(replanner.sizes_bytes)
     offsets = [0.002 * (sizes - 1 - i) for i in range(sizes)]
@@ -373,7 +373,8 @@ def test_a_new_ratio_starts_from_the_nearest_searched_plan() -> None:
     candidate's fastest plan (the same exchange first), where from the model's plan a job
     searched again after every re-solve. Dense lends and borrows nothing."""
     replanner = Replanner("optimal", [1 << 20] * 16, nodes=3, compression="topk:auto")
-    policy = replanner.policy
+    choice = replanner.choice
+    policy = choice.policy
     assert policy is not None and policy.exploring
     policy._timed.update({0.1, 0.01})  # exploration over
     policy._gained.update({0.1, 0.01, 0.001})
@@ -386,19 +387,19 @@ def test_a_new_ratio_starts_from_the_nearest_searched_plan() -> None:
             search.observe([[0], [1], [2]], step, 1e-4, lambda o: [[0, 1, 2]])
         return search
 
-    replanner._searches = {
+    choice.searches = {
         Candidate("allgather", 0.025): searched([(0.0, 0.070), (0.004, 0.060), (0.016, 0.065)]),
         Candidate("allreduce", 0.05): searched([(0.0, 0.050), (0.064, 0.080)]),
         DENSE: searched([(0.0, 0.040)]),
     }
-    assert replanner._overhead_of(Candidate("allgather", 0.05)) == 0.004  # its fastest so far
-    assert replanner._overhead_of(Candidate("allreduce", 0.01)) == 0.0  # allreduce's fastest
-    replanner._searches.pop(Candidate("allreduce", 0.05))
-    assert replanner._overhead_of(Candidate("allreduce", 0.01)) == 0.004  # the nearest other
-    replanner._searches[DENSE] = searched([(0.0, 0.050), (0.016, 0.040)])
-    assert replanner._overhead_of(DENSE) == replanner._searches[DENSE].overhead_s  # its own
-    replanner._searches.pop(Candidate("allgather", 0.025))
-    assert replanner._overhead_of(Candidate("allgather", 0.05)) == 0.0  # not dense's
+    assert choice.overhead_of(Candidate("allgather", 0.05)) == 0.004  # its fastest so far
+    assert choice.overhead_of(Candidate("allreduce", 0.01)) == 0.0  # allreduce's fastest
+    choice.searches.pop(Candidate("allreduce", 0.05))
+    assert choice.overhead_of(Candidate("allreduce", 0.01)) == 0.004  # the nearest other
+    choice.searches[DENSE] = searched([(0.0, 0.050), (0.016, 0.040)])
+    assert choice.overhead_of(DENSE) == choice.searches[DENSE].overhead_s  # its own
+    choice.searches.pop(Candidate("allgather", 0.025))
+    assert choice.overhead_of(Candidate("allgather", 0.05)) == 0.0  # not dense's
 
 
 def test_drift_replans_switch_only_for_a_predicted_gain() -> None:
@@ -461,11 +462,11 @@ def test_a_finalist_runs_the_lenders_kept_groups_and_the_lender_its_own_again() 
         ran.append((kind, decision.groups))
         decision = replanner.decide(
             [_report(number, 10 * number - 1, decision.version, step, offsets, GAINS)] * 2)
-    best = replanner._searches[DENSE].best
+    best = replanner.choice.searches[DENSE].best
     assert best is not None and best.groups == 4, ran
     kept = [list(group) for group in best.plan]
     finalist = [groups for kind, groups in ran if kind == "allgather"]
     assert len(finalist) == 2 and finalist[1] == kept, ran  # its trial, then dense's groups
-    assert replanner.policy is not None and replanner.policy.trials.chosen == DENSE
+    assert replanner.choice.policy is not None and replanner.choice.policy.trials.chosen == DENSE
     after = ran[[kind for kind, _ in ran].index("allgather", 2) + 1:]
     assert after and all(run == ("dense", kept) for run in after), after
