@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from commd.testing.processes import finish
 from commd_client import CommdError, env
 from commd_client.dtypes import numpy_dtype
 from commd_protocol import DEFAULT_PEER_PORT, DEFAULT_SOCKET, DTYPES
 from commd_protocol.dtypes import itemsize
 from commd_protocol.layout import backward_offsets, group_span
 
-REPO = Path(__file__).resolve().parents[2]
 ENV_NAMES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "COMMD_JOB", "COMMD_COORDINATOR", "COMMD_SOCKET",
@@ -189,67 +181,3 @@ def test_bad_dtype(bad: str) -> None:
     assert message.startswith(f"commd: unsupported dtype {bad!r}")
     for dtype in DTYPES:
         assert dtype in message
-
-
-# --- a client with no daemon -------------------------------------------------------------------
-
-_CONNECT = """
-import json, sys, time
-from commd_client import Client, CommdError
-started = time.monotonic()
-try:
-    Client(job="unit", rank=0, world_size=1, local_rank=0, local_world_size=1,
-           coordinator="127.0.0.1:1", socket=sys.argv[1], timeout=0.5)
-except CommdError as exc:
-    print(json.dumps({"kind": type(exc).__name__, "message": str(exc),
-                      "timeout": isinstance(exc, TimeoutError),
-                      "elapsed": time.monotonic() - started}))
-else:
-    print(json.dumps({"kind": None}))
-"""
-
-
-def dead_socket(path: Path) -> Path:
-    """A socket file that exists but that nothing listens on."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
-    sock.close()
-    return path
-
-
-def segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("commd-*")}
-
-
-def test_client_without_a_daemon_fails_fast(tmp_path: Path) -> None:
-    before = segments()
-    paths = [tmp_path / "absent.sock", dead_socket(tmp_path / "dead.sock")]
-    started = time.monotonic()
-    runs = [subprocess.Popen([sys.executable, "-c", _CONNECT, str(p)], stdout=subprocess.PIPE,
-                             text=True, cwd=REPO) for p in paths]
-    try:
-        left = max(0.1, 2.5 - (time.monotonic() - started))
-        outputs = [done.stdout for done in finish(runs, left)]
-    except subprocess.TimeoutExpired:
-        pytest.fail("Client() without a daemon did not return within 2.5 s (timeout=0.5)")
-    for output in outputs:
-        result = json.loads(output)
-        assert result["kind"] in ("CommdError", "CommdTimeout")
-        assert result["message"].startswith("commd: ")
-        assert result["elapsed"] < 2.0
-    assert segments() - before == set()
-
-
-# --- what `import commd_client` pulls in -------------------------------------------------------
-
-
-def test_import_is_thin() -> None:
-    code = (
-        "import json, sys, commd_client\n"
-        "print(json.dumps(sorted(m for m in ('torch', 'uvloop', 'cupy', 'commd')"
-        " if m in sys.modules)))\n"
-    )
-    environ = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=30, cwd=REPO, env=environ, check=True)
-    assert json.loads(result.stdout) == []

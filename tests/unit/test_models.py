@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -60,16 +57,6 @@ def test_vgg16_layout_is_torchvisions() -> None:
 def test_sizes_agree_with_the_torch_resnet50() -> None:
     from_torch = [(n, p.numel()) for n, p in on_meta("resnet50").named_parameters()]
     assert resnet50_layer_sizes() == from_torch
-
-
-def test_sizes_do_not_import_torch() -> None:
-    code = (
-        "import sys, commd.models, commd.models.sizes as s; "
-        "assert 'torch' not in sys.modules, 'torch imported'; "
-        "print(len(s.resnet50_layer_sizes()), sum(n for _, n in s.resnet50_layer_sizes()))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["161", "25557032"]
 
 
 @pytest.mark.parametrize(("name", "batch"), [("small_cnn", 4), ("resnet50", 2)])

@@ -6,8 +6,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +13,6 @@ import pytest
 
 from commd.daemon import settings
 from commd.daemon.settings import OPTIONS, Settings, SettingsError, load, split_host_port
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -33,15 +29,6 @@ def write_config(path: Path, values: dict[str, Any]) -> str:
     lines = [f"{key} = {json.dumps(value)}" for key, value in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
-
-
-def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
-    environ.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "commd.cli", *argv],
-        capture_output=True, text=True, timeout=30, cwd=REPO, env=environ,
-    )
 
 
 # One row per option: a value for each layer (file, env, command line), all different, and
@@ -251,38 +238,6 @@ def test_settings_error_is_a_value_error() -> None:
 # --- the command line --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def run_help() -> str:
-    result = cli("run", "--help")
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def test_run_help_lists_every_option_and_env_name(run_help: str) -> None:
-    text = " ".join(run_help.split())  # undo argparse's line wrapping
-    assert "--config FILE" in text
-    for option in OPTIONS:
-        assert flag(option.name) in text
-        assert f"env COMMD_{option.name.upper()}" in text
-        assert f"default {option.default!r}" in text
-        for choice in option.choices or ():
-            assert choice in text
-
-
-def test_run_help_names_commd_config(run_help: str) -> None:
-    assert "COMMD_CONFIG" in run_help
-
-
-def test_run_with_a_bad_listen_exits_2_with_one_line() -> None:
-    result = cli("run", "--listen", "nonsense", "--socket", "/nonexistent/dir/commd.sock")
-    assert result.returncode == 2
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("commd: listen must be HOST:PORT")
-    assert "Traceback" not in result.stderr
-
-
 def test_run_with_a_bad_env_value_exits_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -296,20 +251,6 @@ def test_run_with_a_bad_env_value_exits_2_with_one_line(
     assert main(["run", "--socket", "/nonexistent/dir/commd.sock"]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == ["commd: timeout_s must be positive, got -3.0"]
-
-
-def test_top_level_help_lists_the_subcommands() -> None:
-    from commd.cli.main import build_parser
-
-    parser = build_parser()
-    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert len(actions) == 1
-    names = list(actions[0].choices)
-    assert {"run", "status"} <= set(names)
-    result = cli("--help")
-    assert result.returncode == 0
-    for name in names:
-        assert f"    {name} " in result.stdout or f"    {name}\n" in result.stdout
 
 
 def test_no_subcommand_prints_help_and_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -377,12 +318,3 @@ def test_metrics_are_off_by_default_and_empty_means_off() -> None:
         .metrics_listen == ""
 
 
-def test_run_with_a_bad_metrics_listen_exits_2_with_one_line() -> None:
-    for argv, env in [(("--metrics-listen", "nonsense"), {}),
-                      ((), {"COMMD_METRICS_LISTEN": "localhost:http"})]:
-        result = cli("run", *argv, "--socket", "/nonexistent/dir/commd.sock", env=env)
-        assert result.returncode == 2, result.stderr
-        assert result.stdout == ""
-        lines = result.stderr.splitlines()
-        assert len(lines) == 1, result.stderr
-        assert lines[0].startswith("commd: metrics_listen must be HOST:PORT, got ")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -277,30 +276,6 @@ def test_parse_nodes() -> None:
     assert parse_nodes("2..1024") == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
     assert parse_nodes("3..20") == [3, 6, 12]
     assert parse_nodes("16, 1..4, 4") == [1, 2, 4, 16]
-
-
-# ----------------------------------------------------------------------------- real processes
-
-
-def test_command_line_in_a_real_process(profile_path: Path) -> None:
-    argv = ["--profile", str(profile_path), "--network", "100gbe", "--nodes", "8,16", "--json"]
-    done = subprocess.run(
-        [sys.executable, "-m", "commd.cli", "simulate", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert [r["nodes"] for r in json.loads(done.stdout)] == [8, 16]
-    bad = subprocess.run(
-        [sys.executable, "-m", "commd.cli", "simulate", "--profile", str(profile_path),
-         "--nodes", "x"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2
-    assert bad.stderr.startswith("commd: ") and "Traceback" not in bad.stderr
 
 
 def test_registered_in_the_commd_command(profile_path: Path) -> None:
