@@ -109,5 +109,3 @@ def test_device_names_and_streams() -> None:
     assert stream_pointer(cupy, SimpleNamespace(ptr=7)) == 7
     with pytest.raises(CommdError, match="stream must be a cupy or torch CUDA stream"):
         stream_pointer(cupy, "default")
-
-

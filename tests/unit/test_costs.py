@@ -244,5 +244,3 @@ def test_registered_in_the_commd_command(capsys: pytest.CaptureFixture[str]) -> 
     assert json.loads(capsys.readouterr().out)["choice"] in EXCHANGES
     help_text = build_parser().format_help()
     assert "costs" in help_text
-
-

@@ -316,5 +316,3 @@ def test_metrics_are_off_by_default_and_empty_means_off() -> None:
     assert Settings().metrics_listen == ""
     assert load(parse("--metrics-listen", ""), {"COMMD_METRICS_LISTEN": "127.0.0.1:1"}) \
         .metrics_listen == ""
-
-
