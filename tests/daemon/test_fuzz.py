@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import os
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgpack
 import msgspec
 import pytest
 import zmq
@@ -39,6 +37,20 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.control import currently_in_test_context
 
 from commd.daemon.server import Daemon
+from commd.testing import fuzz
+from commd.testing.fuzz import (
+    CODES,
+    DUP,
+    FIELDS,
+    POOL,
+    TAGS,
+    Raw,
+    builtins,
+    decoded,
+    decoded_deeper,
+    pack,
+    stack_sensitive,
+)
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     DTYPES,
@@ -46,7 +58,6 @@ from commd_protocol import (
     PROTOCOL_VERSION,
     Done,
     Error,
-    ErrorCode,
     Goodbye,
     Hello,
     Layer,
@@ -65,7 +76,7 @@ from commd_protocol import (
     Wait,
     Welcome,
 )
-from commd_protocol.codec import client_codec, daemon_codec, peer_codec
+from commd_protocol.codec import daemon_codec, peer_codec
 from commd_protocol.messages import Registered
 
 from inprocess import RawClient, hello, peer_dealer, register_job
@@ -85,51 +96,11 @@ FUZZ = settings(
                            HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 
-CODES = {code.value for code in ErrorCode}
-POOL = ("fz0", "fz1", "fz2")  # few job ids: the frames of one example meet each other's jobs
 PEER_BARRIER = "!barrier"  # an invalid job id: its join is refused to us, in order
 _examples = itertools.count()  # job ids of the jobs formed after each example
 
 
 # --- building frames -----------------------------------------------------------------------
-
-
-class Raw(bytes):
-    """MessagePack bytes placed verbatim where a value goes (nesting deeper than msgpack
-    packs, invalid UTF-8)."""
-
-
-DUP = "\x00dup"  # the key under which a map keeps the (key, value) pairs it repeats
-
-
-def pack(value: Any) -> bytes:
-    """MessagePack of ``value``; ``Raw`` parts go in as they are, and a map's ``DUP`` pairs
-    follow its items, so that it may name a key twice."""
-    if isinstance(value, Raw):
-        return bytes(value)
-    if isinstance(value, dict):
-        items = [(k, v) for k, v in value.items() if k != DUP] + list(value.get(DUP, []))
-        return _map_header(len(items)) + b"".join(pack(k) + pack(v) for k, v in items)
-    if isinstance(value, list):
-        return _array_header(len(value)) + b"".join(pack(v) for v in value)
-    return msgpack.packb(value, use_bin_type=True)
-
-
-def _map_header(n: int) -> bytes:
-    if n < 16:
-        return bytes([0x80 | n])
-    return b"\xde" + n.to_bytes(2, "big") if n < 65536 else b"\xdf" + n.to_bytes(4, "big")
-
-
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes([0x90 | n])
-    return b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big")
-
-
-def builtins(message: msgspec.Struct) -> dict[str, Any]:
-    value: dict[str, Any] = msgspec.to_builtins(message, builtin_types=(bytes,))
-    return value
 
 
 names = st.text("abcdefghijklmnopqrstuvwxyz._", min_size=1, max_size=8)
@@ -207,17 +178,7 @@ peer_messages = st.one_of(
     hellos(), readies,
 )
 
-HUGE = [2**31, 2**31 - 1, -(2**31) - 1, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1]
-SPECIAL = st.sampled_from([
-    None, True, False, 0, -1, *HUGE, math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324,
-    "", "x" * 5000, "x" * 200_000, "\u202e\x00", Raw(b"\xa2\xff\xfe"),  # the last: not UTF-8
-    b"", b"\x00" * 70, [], {}, [None], [[]], {"": None}, {1: 2},
-    msgpack.ExtType(5, b"ext"), msgpack.Timestamp(0, 0),
-    Raw(b"\xd5\xff\x00\x00"),  # a timestamp of a length that does not exist
-    [-1], [2**63 - 1],
-    [math.nan], [[0, 0, math.inf, 1.0]], [{"name": "w", "size": -1}],
-    [{"name": "w", "size": 2**63 - 1}], [{"name": 1, "size": "1"}], [{"size": 1}],
-])
+SPECIAL = st.sampled_from(fuzz.SPECIAL)
 hostile = st.one_of(
     SPECIAL,
     st.integers(-(2**63), 2**64 - 1),
@@ -227,10 +188,6 @@ hostile = st.one_of(
     st.lists(st.integers(-(2**63), 2**64 - 1), max_size=6),
     st.integers(1, 1500).map(lambda depth: Raw(b"\x91" * depth + b"\xc0")),  # deep nesting
 )
-TAGS = sorted({*client_codec._tags, *daemon_codec._tags, *peer_codec._tags})
-FIELDS = sorted({f for union in (Hello, Register, Ready, Wait, PeerJoin, PeerProfile, PeerPlan)
-                 for f in union.__struct_fields__})
-
 
 @st.composite
 def mutated(draw: st.DrawFn, messages: st.SearchStrategy[msgspec.Struct]) -> bytes:
@@ -338,25 +295,6 @@ async def replies_until_status(socket: zmq.asyncio.Socket, statuses: int = 1) ->
         got.append(message)
         statuses -= isinstance(message, StatusReply)
     return got
-
-
-def decoded(frame: bytes) -> Any:
-    try:
-        return client_codec.decode(frame)
-    except ProtocolViolation:
-        return None
-
-
-def decoded_deeper(frame: bytes, frames: int) -> Any:
-    """``decoded(frame)`` called ``frames`` Python frames deeper."""
-    return decoded_deeper(frame, frames - 1) if frames else decoded(frame)
-
-
-def stack_sensitive(frame: Any) -> bool:
-    """A goodbye or status whose decoding depends on how deep the stack is (the xfail test
-    below): the daemon may see a malformed frame where we see the message."""
-    return isinstance(frame, bytes) and isinstance(decoded(frame), Goodbye | StatusRequest) \
-        and decoded_deeper(frame, 200) is None
 
 
 async def a_job_forms(daemon: Daemon, context: zmq.asyncio.Context, job: str) -> None:

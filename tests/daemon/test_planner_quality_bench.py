@@ -18,7 +18,7 @@ ENTRY_KEYS = {"iteration_s", "ratio_to_optimal", "scaling_efficiency", "num_grou
 
 def run_bench(*argv: str) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, str(BENCH), *argv, "--json"],
+        [sys.executable, str(BENCH), *argv, "--json", "--results", ""],  # keep bench/results
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -292,8 +292,7 @@ def netns_daemons(workdir: Path, layout: Layout, peer_timeout_s: float = PEER_TI
     root, or no ``ip``)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from netbed import NetBed, NetBedUnavailable
+    from commd.testing.netbed import NetBed, NetBedUnavailable
 
     try:
         bed = NetBed(nodes=layout.nodes, rate=None).__enter__()

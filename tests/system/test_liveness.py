@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -150,10 +149,8 @@ def test_a_link_down_fails_every_rank_naming_the_node(tmp_path: Path) -> None:
     """Two daemons in network namespaces; node 1's link is set down mid-job."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from netbed import NetBed, NetBedUnavailable
-
     from commd.testing.daemons import LocalDaemon
+    from commd.testing.netbed import NetBed, NetBedUnavailable
 
     try:
         bed = NetBed(nodes=2, rate=None).__enter__()

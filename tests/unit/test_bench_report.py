@@ -1,0 +1,100 @@
+"""Bench results as data: every file under bench/results/ says where its numbers came from,
+and docs/benchmarks.md is what bench/report.py renders from them (never parsed back)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench_scripts import load_bench_script
+
+from commd.testing.results import read_results, write_results
+from commd.testing.tables import markdown_table
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+REPORT = ROOT / "bench" / "report.py"
+COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
+
+report = load_bench_script("report.py", "bench_report")
+
+
+def test_docs_benchmarks_md_is_what_the_report_renders() -> None:
+    done = subprocess.run([sys.executable, str(REPORT), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def assert_provenance(data: dict[str, Any]) -> None:
+    assert data["command"].startswith(".venv/bin/python bench/"), data["command"]
+    assert COMMIT.fullmatch(data["commit"]), data["commit"]
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["python"]
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda path: path.name)
+def test_every_results_file_says_what_made_it(path: Path) -> None:
+    data = read_results(path)
+    if path.name == "hardening-overhead.json":  # runs of two trees, each with its own command
+        for run in data["runs"]:
+            assert run["command"].startswith(".venv/bin/python bench/overhead.py")
+            assert run["machine"]["cpus"] >= 1
+        return
+    assert_provenance(data)
+
+
+def test_the_results_the_report_tabulates_have_their_fields() -> None:
+    replay = read_results(RESULTS / "replay.json")
+    assert {row["planner"] for row in replay["rows"]} == {"wfbp", "syncea", "fixed-25MB",
+                                                           "mgwfbp", "optimal"}
+    for row in replay["rows"]:
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and row["groups"] >= 1
+    overhead = read_results(RESULTS / "overhead.json")
+    pooled = overhead["summary"]["pooled_rank0"]
+    for mode in overhead["ready"]:
+        assert pooled[mode]["ratio"] > 0 and pooled[mode]["median_ms"] > 0
+    quality = read_results(RESULTS / "planner-quality.json")
+    for row in quality["results"]:  # the model's optimum is never beaten
+        assert min(p["ratio_to_optimal"] for p in row["planners"].values()) >= 1 - 1e-9
+
+
+def test_a_changed_number_changes_the_page(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    data = json.loads((results / "replay.json").read_text())
+    data["rows"][0]["measured_s"] = 12.3456
+    (results / "replay.json").write_text(json.dumps(data))
+    page = report.render(results=results)
+    assert page != (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "12345.6" in page
+
+
+def test_a_missing_results_file_is_said_not_skipped(tmp_path: Path) -> None:
+    template = tmp_path / "page.md"
+    template.write_text("# t\n\n{{replay}}\n")
+    page = report.render(template=template, results=tmp_path)
+    assert "No results yet" in page and "replay.json" in page
+
+
+def test_write_results_adds_command_commit_and_machine(tmp_path: Path) -> None:
+    path = write_results("x", {"rows": [1, 2]}, tmp_path / "x.json",
+                         argv=["bench/x.py", "--fast"])
+    assert path is not None
+    data = json.loads(path.read_text())
+    assert data["command"] == ".venv/bin/python bench/x.py --fast"
+    assert data["rows"] == [1, 2] and data["machine"]["cpus"] >= 1
+    assert write_results("x", {"rows": []}, "") is None  # --results '': nowhere
+    with pytest.raises(ValueError, match="commit"):
+        write_results("x", {"commit": "mine"}, tmp_path / "y.json")
+
+
+def test_markdown_table_pads_aligns_and_refuses_a_short_row() -> None:
+    assert markdown_table(["name", "ms"], [["a", 1.5], ["long", 12]], "lr").splitlines() == [
+        "| name |  ms |", "|------|----:|", "| a    | 1.5 |", "| long |  12 |"]
+    with pytest.raises(ValueError, match="1 cells under 2 headers"):
+        markdown_table(["name", "ms"], [["a"]])
