@@ -17,6 +17,23 @@ from commd_client.host_buffer import HostBuffer
 from daemons import DaemonProcess, commd_segments
 from inprocess import RawClient, hand_over
 
+TESTS = Path(__file__).resolve().parent
+# A test's tier is its folder: `-m unit` selects what `pytest tests/unit` runs (docs: CONTRIBUTING).
+TIERS = ("unit", "daemon", "system")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.resolve()
+        if not path.is_relative_to(TESTS):
+            continue
+        tier = path.relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{path}: a test file belongs in tests/unit, tests/daemon "
+                                    "or tests/system")
+        item.add_marker(tier)
+
 
 def mapped_segments() -> set[str]:
     mapped = set()
