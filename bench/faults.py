@@ -28,15 +28,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from commd.testing.daemons import LocalDaemon, commd_segments
+from commd.testing.processes import kill_all
+from commd.testing.results import add_results_option, write_results
+from commd.testing.scripts import load_script
+from commd.testing.tables import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
-
-from commd.testing.daemons import LocalDaemon, commd_segments  # noqa: E402
-from commd.testing.processes import kill_all  # noqa: E402
-from commd.testing.results import add_results_option, write_results  # noqa: E402
-from commd.testing.tables import markdown_table  # noqa: E402
-
-from ranks import JobSpec, await_registered, collect, start_ranks  # noqa: E402
+# The tests' rank specs and worker (tests/ranks.py, tests/rank_worker.py), by their paths:
+# ranks imports rank_worker by name, so that one is loaded first.
+load_script(ROOT / "tests" / "rank_worker.py", "rank_worker")
+_ranks = load_script(ROOT / "tests" / "ranks.py", "ranks")
+JobSpec, await_registered, collect, start_ranks = (
+    _ranks.JobSpec, _ranks.await_registered, _ranks.collect, _ranks.start_ranks)
 
 FAULTS = ("kill-rank", "stop-rank", "kill-daemon", "stop-daemon", "link-down")
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]

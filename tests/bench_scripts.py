@@ -1,16 +1,17 @@
-"""Loading a script (under bench/ or examples/, which are not packages) as a module, and
-checking that it refuses bad options."""
+"""Loading a script (under bench/ or examples/, which are not packages) as a module
+(``load_script``, from commd.testing.scripts), and checking that it refuses bad options."""
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from commd.testing.scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -37,17 +38,6 @@ def _load_siblings(path: Path) -> None:
             if name not in sys.modules and sibling.exists():
                 _load_siblings(sibling)
                 load_script(sibling, name)
-
-
-def load_script(path: Path, module_name: str) -> ModuleType:
-    """The script at ``path`` imported as ``module_name`` (registered first, as an import
-    would: its dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(module_name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def assert_usage_error(main: Callable[[list[str]], int], argv: list[str], says: str,

@@ -1,34 +1,32 @@
 """Bench results as data: every file under bench/results/ says where its numbers came from,
-and docs/benchmarks.md is what bench/report.py renders from them (never parsed back)."""
+and docs/benchmarks.md is what bench/report.py renders from them (never parsed back). Writing
+results (which asks git for the commit) and the report's command line: tests/daemon's
+test_bench_results.py."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from bench_scripts import load_bench_script
 
-from commd.testing.results import read_results, write_results
+from commd.testing.results import read_results
 from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-REPORT = ROOT / "bench" / "report.py"
 COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
 
 report = load_bench_script("report.py", "bench_report")
 
 
 def test_docs_benchmarks_md_is_what_the_report_renders() -> None:
-    done = subprocess.run([sys.executable, str(REPORT), "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert report.render() == (ROOT / "docs" / "benchmarks.md").read_text()
+    assert report.main(["--check"]) == 0  # tests/daemon runs the command itself
 
 
 def assert_provenance(data: dict[str, Any]) -> None:
@@ -79,18 +77,6 @@ def test_a_missing_results_file_is_said_not_skipped(tmp_path: Path) -> None:
     template.write_text("# t\n\n{{replay}}\n")
     page = report.render(template=template, results=tmp_path)
     assert "No results yet" in page and "replay.json" in page
-
-
-def test_write_results_adds_command_commit_and_machine(tmp_path: Path) -> None:
-    path = write_results("x", {"rows": [1, 2]}, tmp_path / "x.json",
-                         argv=["bench/x.py", "--fast"])
-    assert path is not None
-    data = json.loads(path.read_text())
-    assert data["command"] == ".venv/bin/python bench/x.py --fast"
-    assert data["rows"] == [1, 2] and data["machine"]["cpus"] >= 1
-    assert write_results("x", {"rows": []}, "") is None  # --results '': nowhere
-    with pytest.raises(ValueError, match="commit"):
-        write_results("x", {"commit": "mine"}, tmp_path / "y.json")
 
 
 def test_markdown_table_pads_aligns_and_refuses_a_short_row() -> None:
