@@ -126,6 +126,12 @@ def fuzz_worst(data: dict[str, Any]) -> str:
             f"{provenance('fuzz-worst', data)}")
 
 
+def faults(data: dict[str, Any]) -> str:
+    import faults as bench
+
+    return f"{bench.table(data['rows'])}\n\n{provenance('faults', data)}"
+
+
 def hardening_overhead(data: dict[str, Any]) -> str:
     rows = [[run["side"], run["model"], f"`{run['command']}`", f"{run['ratio_all']:.3f}",
              f"{run['paired_all']:.3f}",
@@ -153,7 +159,7 @@ Renderer = Callable[[dict[str, Any]], str]
 RENDERERS: dict[str, Renderer] = {
     "time-to-loss": time_to_loss, "overhead": overhead, "replay": replay,
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
-    "hardening-overhead": hardening_overhead,
+    "faults": faults, "hardening-overhead": hardening_overhead,
 }
 WITHOUT_RESULTS: dict[str, Callable[[dict[str, Any] | None], str]] = {
     "generated": generated, "index": index,
