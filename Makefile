@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-pure lint bench bench-all clean install
+.PHONY: demo test test-fast test-pure lint bench bench-all clean install
 
 # The version lives in commd_protocol/__init__.py (pyproject reads it): a new version
 # reinstalls, so the installed metadata says the same as the source.
@@ -20,22 +20,32 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# What CI runs (.ci/run): lint, then each tier of tests/ as its own pytest run, so that the log
+# gives each tier's time on pytest's summary line (see CONTRIBUTING.md), then test-pure.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy commd client/commd_client protocol/commd_protocol
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q tests/daemon
+	$(BIN)/python -m pytest -q tests/system
+	$(MAKE) --no-print-directory test-pure
+
+# The unit tier alone: in-process tests, no process or socket (tests/unit/conftest.py checks).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 # The compression and DDP tests with the compiled loops switched off (COMMD_NATIVE=0, read by
 # commd/compression/native.py; the ranks and daemons the tests start inherit it): the numpy
-# path a machine without a C compiler runs, end to end. Not part of `make test`: it takes
-# 3-5 minutes on the 2-core machine, over the 2 minutes the suite may grow by for it.
+# path a machine without a C compiler runs, end to end.
 PURE_NAMES := compression compressed_pipeline compact_wire fused_select topk_kernels \
-	topk_offline native_loops momentum_correction rank_momentum ratio_pick selection_messages \
-	torch_ddp ddp_dropin ddp_surface ddp_twice ddp_porting
-# found in tests/ or one folder below it, so the list holds when tests/ is split into tiers
-PURE_TESTS := $(foreach name,$(PURE_NAMES),$(wildcard tests/test_$(name).py tests/*/test_$(name).py))
+	topk_offline native_loops momentum_correction momentum_correction_daemons rank_momentum \
+	ratio_pick selection_messages torch_ddp ddp_dropin ddp_surface ddp_twice ddp_porting
+# each name's file, in whichever tier it lives; a name with no file stops test-pure
+PURE_TESTS := $(foreach name,$(PURE_NAMES),$(wildcard tests/*/test_$(name).py))
+PURE_MISSING := $(strip $(foreach name,$(PURE_NAMES),$(if $(wildcard tests/*/test_$(name).py),,$(name))))
 
 test-pure: $(STAMP)
+	$(if $(PURE_MISSING),$(error test-pure: no tests/*/test_NAME.py for: $(PURE_MISSING)))
 	COMMD_NATIVE=0 $(BIN)/python -m pytest -q $(PURE_TESTS)
 
 lint: $(STAMP)
