@@ -20,8 +20,6 @@ from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import RawClient, coordinator_of, hello, peer_dealer, still_serving
 
-pytestmark = pytest.mark.timeout(60)
-
 DEADLINE_S = 1.0
 
 

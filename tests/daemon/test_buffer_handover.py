@@ -19,8 +19,6 @@ from commd_protocol.handover import OK, buffer_socket_path
 
 from inprocess import coordinator_of, hello, still_serving
 
-pytestmark = pytest.mark.timeout(60)
-
 REGISTER = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp",
             "layers": [{"name": "w", "size": 4}]}
 

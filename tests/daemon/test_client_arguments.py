@@ -63,7 +63,6 @@ def test_good_ready_indices() -> None:
     assert check_indices((1, 0), 2) == [1, 0]
 
 
-@pytest.mark.timeout(60)
 def test_a_client_refuses_before_creating_anything(start_daemon) -> None:
     daemon = start_daemon()
     before = commd_segments()

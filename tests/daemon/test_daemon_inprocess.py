@@ -14,8 +14,6 @@ from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import coordinator_of, hello, still_serving
 
-pytestmark = pytest.mark.timeout(60)
-
 
 @pytest.mark.parametrize(
     ("frame", "code", "words"),

@@ -75,7 +75,6 @@ def test_signature_is_torchs_then_commds_keywords() -> None:
     assert all(p.kind is p.KEYWORD_ONLY for p in ours[len(theirs):])
 
 
-@pytest.mark.timeout(30)
 def test_isinstance_positional_device_ids_and_attributes(where: LocalDaemon) -> None:
     module = nn.Linear(3, 2)
     with DistributedDataParallel(module, None) as model:
@@ -90,7 +89,6 @@ def test_isinstance_positional_device_ids_and_attributes(where: LocalDaemon) -> 
             pickle.dumps(model)
 
 
-@pytest.mark.timeout(30)
 def test_every_torch_keyword_is_accepted(where: LocalDaemon) -> None:
     with DistributedDataParallel(
         nn.Linear(3, 2), None, None, 0, True, True, None, 1, True, False, True, False,
@@ -153,7 +151,6 @@ def test_what_cannot_be_matched_is_refused_with_the_reason(given: dict[str, Any]
         _options(**given)
 
 
-@pytest.mark.timeout(30)
 def test_fp16_hook_reduces_in_half_precision(where: LocalDaemon) -> None:
     """One rank: the reduced gradient is the local one rounded to float16, back in float32."""
     module, reference = nn.Linear(5, 3), nn.Linear(5, 3)
@@ -174,7 +171,6 @@ def test_fp16_hook_reduces_in_half_precision(where: LocalDaemon) -> None:
             model.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
-@pytest.mark.timeout(30)
 def test_a_hook_after_the_first_backward_is_refused(where: LocalDaemon) -> None:
     with DistributedDataParallel(nn.Linear(3, 2)) as model:
         _step(model, torch.ones(2, 3))
@@ -188,7 +184,6 @@ def test_a_hook_after_the_first_backward_is_refused(where: LocalDaemon) -> None:
     (lambda state, bucket: bucket.buffer(), "cannot run in commd's daemon"),
     ("not callable", "needs a callable"),
 ])
-@pytest.mark.timeout(30)
 def test_hooks_commd_cannot_run_are_refused(where: LocalDaemon, hook: Any, says: str) -> None:
     with DistributedDataParallel(nn.Linear(3, 2)) as model:
         with pytest.raises(CommdError, match=says.replace("(", r"\(").replace(")", r"\)")):
@@ -206,7 +201,6 @@ class _TwoHeads(nn.Module):
         return self.used(x)
 
 
-@pytest.mark.timeout(30)
 def test_unused_parameters_are_named_once_when_torch_would_raise(
     where: LocalDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -224,14 +218,12 @@ def test_unused_parameters_are_named_once_when_torch_would_raise(
     assert not [r for r in caplog.records if "got no gradient" in r.getMessage()]
 
 
-@pytest.mark.timeout(30)
 def test_join_needs_a_process_group(where: LocalDaemon) -> None:
     with DistributedDataParallel(nn.Linear(3, 2)) as model, \
             pytest.raises(CommdError, match="init_process_group"):
         model.join()
 
 
-@pytest.mark.timeout(30)
 def test_identity_comes_from_the_process_group(group: Any) -> None:
     """Rank, world and local ranks from the group; a fresh job id per wrapper (rank 0's), and
     with a chosen job id each further wrapper in the process gets ``.ddpN``."""
@@ -264,7 +256,6 @@ def test_identity_comes_from_the_process_group(group: Any) -> None:
     ("RANK", "1", "RANK=1 in the environment"),
     ("WORLD_SIZE", "4", "WORLD_SIZE=4 in the environment"),
 ])
-@pytest.mark.timeout(30)
 def test_environment_contradicting_the_group_fails_loudly(
     group: Any, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, says: str
 ) -> None:
@@ -275,7 +266,6 @@ def test_environment_contradicting_the_group_fails_loudly(
 
 @pytest.mark.parametrize("keyword", [{"rank": 2}, {"world_size": 3}, {"local_rank": 1},
                                      {"local_world_size": 2}])
-@pytest.mark.timeout(30)
 def test_keywords_contradicting_the_group_fail_loudly(group: Any,
                                                       keyword: dict[str, int]) -> None:
     name = next(iter(keyword))
@@ -283,7 +273,6 @@ def test_keywords_contradicting_the_group_fail_loudly(group: Any,
         DistributedDataParallel(nn.Linear(3, 2), **keyword)
 
 
-@pytest.mark.timeout(30)
 def test_a_group_this_process_is_not_in_is_refused(group: Any, tmp_path: Path) -> None:
     class _Elsewhere:
         pass

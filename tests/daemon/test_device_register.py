@@ -3,7 +3,6 @@ typed errors naming the field, a well-formed device registration fails with the 
 reason and the daemon keeps serving; the new optional protocol fields round-trip."""
 
 
-
 from __future__ import annotations
 
 import time
@@ -18,8 +17,6 @@ from commd_protocol import Ready, Register, Registered, encode
 from commd_protocol.codec import client_codec, daemon_codec
 
 from inprocess import coordinator_of, hello, still_serving
-
-pytestmark = pytest.mark.timeout(60)
 
 HANDLE = bytes(range(64))
 DEVICE = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp",

@@ -38,8 +38,6 @@ from commd_protocol.status import read_status, status_map
 
 from inprocess import RawClient, coordinator_of, hello, still_serving
 
-pytestmark = pytest.mark.timeout(120)
-
 ATTACKER, VICTIM = 65534, 65533
 
 # What each subprocess does first: import everything, then become ``spec["uid"]`` (gid 0).

@@ -18,8 +18,6 @@ from commd.cli.status import query
 
 from gpu_jobs import assert_exact, run_job
 
-pytestmark = pytest.mark.timeout(120)
-
 FAKE = {"PYTHONPATH": os.pathsep.join(
     [str(Path(__file__).parents[1] / "fake_cupy"), *os.environ.get("PYTHONPATH", "").split(
         os.pathsep)]).rstrip(os.pathsep)}

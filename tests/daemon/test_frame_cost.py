@@ -33,8 +33,6 @@ from commd_protocol.limits import MAX_LAYERS as PROTOCOL_MAX_LAYERS
 from inprocess import RawClient, coordinator_of, hand_over, still_serving
 from ranks import JobSpec, collect, expected, start_ranks
 
-pytestmark = pytest.mark.timeout(120)
-
 MAX_LAYERS = 64  # the daemon's --max-layers in this module
 LAYERS = [{"name": f"l{i}", "size": 2} for i in range(4)]
 REGISTER = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp",

@@ -81,8 +81,6 @@ from commd_protocol.messages import Registered
 
 from inprocess import RawClient, hello, peer_dealer, register_job
 
-pytestmark = pytest.mark.timeout(120)
-
 # Hypothesis caches what it learns under .hypothesis/; keep the working tree clean.
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"commd-hypothesis-{os.getuid()}"))

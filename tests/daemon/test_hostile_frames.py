@@ -20,8 +20,6 @@ from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import RawClient, hello, peer_dealer, register_job, still_serving
 
-pytestmark = pytest.mark.timeout(60)
-
 # ~1 kB frames nested 1000 deep: a bare array, and one inside a message's field.
 NESTED = [b"\x91" * 1000 + b"\xc0", b"\x82\xa4type\xa5hello\xa3job" + b"\x91" * 1000 + b"\xc0"]
 

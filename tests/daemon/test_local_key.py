@@ -47,8 +47,6 @@ from commd_protocol import PROTOCOL_VERSION
 from inprocess import peer_dealer
 from ranks import JobSpec, collect, daemon_status, expected, start_ranks
 
-pytestmark = pytest.mark.timeout(120)
-
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130)]
 STRANGER_UID = 65534  # nobody: not the daemon's user, not in its group
 WAIT_S = 30.0  # bounds every wait for a count; a hang becomes a failure

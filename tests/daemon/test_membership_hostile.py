@@ -49,8 +49,6 @@ from commd_protocol.status import JobState
 
 from inprocess import RawClient, coordinator_of, hand_over, hello, peer_dealer, still_serving
 
-pytestmark = pytest.mark.timeout(60)
-
 JOB = "tol"
 A, B, C, STRANGER = b"node-a", b"node-b", b"node-c", b"stranger"
 

@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import pytest
 from test_membership_hostile import JOB, STRANGER, A, B, C, formed, state
 
 from commd.coordinator.membership import resume_iteration
 from commd_protocol import PeerLeave, PeerReform, PeerResume
-
-pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_node_that_left_having_delivered_makes_the_others_deliver() -> None:

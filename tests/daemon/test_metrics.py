@@ -40,8 +40,6 @@ from commd_protocol.status import DaemonStatus, JobState, JobStatus, LatencySumm
 from inprocess import peer_dealer
 from ranks import JobSpec, await_registered, collect, start_ranks
 
-pytestmark = pytest.mark.timeout(120)
-
 LAYERS = [("w0", 4096), ("b0", 16), ("w1", 2048), ("b1", 8)]
 def jobs_in(samples: Samples) -> set[str]:
     return {v for (_, labels) in samples for k, v in labels if k == "job"}
@@ -314,7 +312,6 @@ def host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@pytest.mark.timeout(120)
 def test_slow_connections_hold_no_thread_and_are_closed_by_the_deadline(start_daemon) -> None:
     node = start_daemon("--metrics-listen", "127.0.0.1:0")
     address = metrics_address(node)

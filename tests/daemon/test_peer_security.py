@@ -25,8 +25,6 @@ from commd_protocol import PROTOCOL_VERSION
 
 from ranks import JobSpec, await_registered, collect, daemon_status, expected, start_ranks
 
-pytestmark = pytest.mark.timeout(120)
-
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130)]
 
 

@@ -100,7 +100,6 @@ async def test_pipeline_refuses_stamps_that_do_not_match(executor) -> None:
     pipeline.mark(0, [1, 0])  # nothing was marked by the refused call
 
 
-@pytest.mark.timeout(120)
 def test_daemon_gets_one_notification_per_group(start_daemon) -> None:
     """Eight layers marked one by one, one group (syncea): one ready message per iteration
     instead of eight, through real daemons."""

@@ -21,8 +21,6 @@ from commd_protocol import (
     PeerResume,
 )
 
-pytestmark = pytest.mark.timeout(60)
-
 D, E = b"node-d", b"node-e"
 
 

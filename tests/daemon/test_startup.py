@@ -9,11 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from commd.cli.status import query
-
-pytestmark = pytest.mark.timeout(60)
 
 
 def commd_run(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -25,8 +25,6 @@ from commd_protocol import (
     RosterEntry,
 )
 
-pytestmark = pytest.mark.timeout(60)
-
 D, E = b"node-d", b"node-e"
 
 LOST = "10.0.0.1:29600"

@@ -81,7 +81,6 @@ def assert_a_job_runs_exact(nodes: list[Any]) -> None:
                 np.testing.assert_array_equal(np.array(got), want)
 
 
-@pytest.mark.timeout(120)
 def test_a_timeout_names_a_stopped_rank_of_a_one_node_job(start_daemon, tmp_path: Path) -> None:
     node = start_daemon()
     results = timeouts_with_one_stopped(

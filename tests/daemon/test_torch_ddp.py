@@ -99,7 +99,6 @@ def assert_matches(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=key)
 
 
-@pytest.mark.timeout(90)
 def test_matches_full_batch_training_and_ranks_are_identical(nodes, tmp_path) -> None:
     """2 daemons x 2 ranks, different data and different initial weights per rank."""
     results = run_ranks(tmp_path, nodes, 2, "ddp-equiv", "small_cnn", steps=4, lr=0.05)
@@ -110,7 +109,6 @@ def test_matches_full_batch_training_and_ranks_are_identical(nodes, tmp_path) ->
             assert torch.equal(result["initial"][key], value), key
 
 
-@pytest.mark.timeout(60)
 def test_different_initial_weights_and_buffers_end_equal(nodes, tmp_path) -> None:
     """BatchNorm's running statistics are broadcast from rank 0 before each forward."""
     results = run_ranks(tmp_path, nodes, 1, "ddp-bn", "bn", steps=3)
@@ -120,7 +118,6 @@ def test_different_initial_weights_and_buffers_end_equal(nodes, tmp_path) -> Non
     assert not torch.equal(results[0]["state"]["module.conv.weight"], rank0_init)  # it trained
 
 
-@pytest.mark.timeout(60)
 def test_no_sync_accumulation_matches_ddp(nodes, tmp_path) -> None:
     """Two micro-batches under no_sync, the third synchronises the sum of all three."""
     results = run_ranks(tmp_path, nodes, 1, "ddp-nosync", "mlp", steps=3, accumulate=3)
@@ -128,7 +125,6 @@ def test_no_sync_accumulation_matches_ddp(nodes, tmp_path) -> None:
     assert_matches(results[0]["state"], reference("mlp", 2, steps=3, accumulate=3))
 
 
-@pytest.mark.timeout(60)
 def test_unused_parameters_do_not_hang(nodes, tmp_path) -> None:
     """``extra`` is used on rank 0 only, ``never`` on no rank: its .grad stays None."""
     results = run_ranks(tmp_path, nodes, 1, "ddp-unused", "branchy", steps=3)
@@ -138,7 +134,6 @@ def test_unused_parameters_do_not_hang(nodes, tmp_path) -> None:
         assert result["grad_none"] == ["never.weight", "never.bias"]
 
 
-@pytest.mark.timeout(60)
 def test_train_example_under_torchrun_environment(nodes) -> None:
     """examples/train.py configured only through the environment torchrun sets."""
     node = nodes[0]
@@ -168,7 +163,6 @@ class _FakeTensor:
         self.device = torch.device(device)
 
 
-@pytest.mark.timeout(10)
 def test_gpu_models_get_a_clear_error() -> None:
     with pytest.raises(CommdError, match="the GPU path is not available yet"):
         check_cpu([("fc.weight", _FakeTensor("cpu")), ("fc.bias", _FakeTensor("cuda:0"))])
@@ -181,7 +175,6 @@ def test_gpu_models_get_a_clear_error() -> None:
             DistributedDataParallel(nn.Linear(2, 2).cuda(), world_size=1)
 
 
-@pytest.mark.timeout(60)
 def test_different_models_get_an_error_naming_the_first_differing_layer(nodes, tmp_path) -> None:
     results = run_ranks(tmp_path, nodes, 1, "ddp-mismatch", "mlp", models={1: "branchy"},
                         expect_error=True)
@@ -191,7 +184,6 @@ def test_different_models_get_an_error_naming_the_first_differing_layer(nodes, t
         assert "'body.weight'" in result["error"]
 
 
-@pytest.mark.timeout(30)
 def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
     """world size 1 in this process: zero copy, zero_grad(set_to_none), no_sync, state_dict."""
     model = build_model("mlp", 100)
@@ -238,7 +230,6 @@ class _MixedDtypes(nn.Module):
         return self.frozen(self.narrow(self.wide(x).to(torch.bfloat16)).float())
 
 
-@pytest.mark.timeout(30)
 def test_one_rank_in_process_mixed_dtypes_and_frozen_parameters(nodes) -> None:
     """One job per gradient dtype; parameters that require no gradient are left out."""
     model, reference_model = _MixedDtypes(), _MixedDtypes()
@@ -279,7 +270,6 @@ print("grads", sum(1 for p in model.parameters() if p.grad is not None), flush=T
 """
 
 
-@pytest.mark.timeout(30)
 def test_exit_without_close_releases_the_buffer(nodes) -> None:
     """The wrapper closes itself at interpreter exit, before the process is gone."""
     done = subprocess.run(
@@ -323,7 +313,6 @@ def _train_in_process(nodes: list[LocalDaemon], job: str, compression: str,
     return model, reference
 
 
-@pytest.mark.timeout(60)
 def test_topk_under_sgd_momentum_is_momentum_corrected_on_the_rank(nodes) -> None:
     """Top-k under the user's SGD momentum 0.9, corrected on the rank, trains exactly as the
     daemon's momentum correction (``:momentum=0.9``, SGD without momentum) does: the same
@@ -339,7 +328,6 @@ def test_topk_under_sgd_momentum_is_momentum_corrected_on_the_rank(nodes) -> Non
         torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.timeout(60)
 def test_the_correction_keeps_momentum_sgd_exact_with_weight_decay(nodes) -> None:
     """Ratio 1 (nothing held back): what goes to commd is the velocity (the optimizer's
     momentum buffer without weight decay), and the weights are momentum SGD's."""
@@ -351,7 +339,6 @@ def test_the_correction_keeps_momentum_sgd_exact_with_weight_decay(nodes) -> Non
         torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.timeout(90)
 def test_the_correction_rests_while_the_daemon_runs_dense(nodes) -> None:
     """Ratio 1 (``topk:1``, its exchange measured against dense) holds nothing back, so dense
     measures faster and the daemon runs it (from iteration ~22 here): from the second dense
@@ -369,7 +356,6 @@ def test_the_correction_rests_while_the_daemon_runs_dense(nodes) -> None:
         torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.timeout(60)
 def test_topk_under_adam_is_left_to_error_feedback(nodes) -> None:
     """Adam keeps its own moments: nothing is corrected (the gradients go as they are)."""
     def adam(params: Any) -> torch.optim.Optimizer:
@@ -380,7 +366,6 @@ def test_topk_under_adam_is_left_to_error_feedback(nodes) -> None:
         torch.testing.assert_close(param, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.timeout(60)
 def test_momentum_correction_turns_off_when_a_step_is_missing(nodes, caplog) -> None:
     """Two reductions without a step between: the buffer's image is lost, so the correction
     says so and turns off; training goes on."""
@@ -405,7 +390,6 @@ def test_momentum_correction_turns_off_when_a_step_is_missing(nodes, caplog) -> 
         assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.timeout(60)
 def test_daemon_momentum_with_an_optimizer_momentum_is_named(nodes, caplog) -> None:
     """``:momentum=0.9`` with SGD(momentum=0.9) runs the momentum twice: one warning."""
     def sgd(params: Any) -> torch.optim.Optimizer:

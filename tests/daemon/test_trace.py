@@ -430,7 +430,6 @@ def test_an_unwritable_output_is_one_line(fake_daemons: list[str], tmp_path: Pat
 # --- real daemons and ranks -----------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
 def test_trace_two_daemons_with_two_ranks_each(start_daemon: Any, tmp_path: Path) -> None:
     nodes = [start_daemon(), start_daemon()]
     layers = [("embed", 4096), ("conv", 20000), ("norm", 64), ("fc", 30000)]

@@ -18,8 +18,6 @@ from commd_protocol import Progress
 
 from inprocess import coordinator_of, hello
 
-pytestmark = pytest.mark.timeout(60)
-
 
 async def until(condition: Any) -> None:
     while not condition():

@@ -23,8 +23,6 @@ from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
 from commd.job.state import LocalRank
 
-pytestmark = pytest.mark.timeout(30)
-
 SIZES = [400, 300, 200]  # forward order; one group per layer
 
 

@@ -19,8 +19,6 @@ from commd.engines.buffer_ops import HostOps
 from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, Plan, make_plan
 
-pytestmark = pytest.mark.timeout(30)
-
 
 class StreamOps(HostOps):
     """Host arithmetic, but stream-ordered: the fence completes when the test says so."""

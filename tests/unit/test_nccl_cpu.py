@@ -20,8 +20,6 @@ from commd.engines.cuda import calls as cuda_calls
 from commd.engines.cuda.watch import StreamWatcher
 from commd.engines.nccl import NcclEngine, device_pointer, exchange_unique_id
 
-pytestmark = pytest.mark.timeout(60)
-
 try:
     import cupy
     from cupy.cuda import nccl as cupy_nccl
