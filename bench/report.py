@@ -52,7 +52,7 @@ def provenance(name: str, data: dict[str, Any]) -> str:
                 f"[bench/results/{name}.json](../bench/results/{name}.json).")
 
 
-def generated(_: dict[str, Any] | None) -> str:
+def generated() -> str:
     text = (f"This file is generated: `{COMMAND}` renders it from the results each benchmark "
             "writes to `bench/results/<name>.json` (with the command, commit and machine that "
             "produced them) and from the prose of `bench/report.md`; edit those, not this "
@@ -145,7 +145,8 @@ def hardening_overhead(data: dict[str, Any]) -> str:
               "(../bench/results/hardening-overhead.json).")
 
 
-def index(_: dict[str, Any] | None, results: Path = RESULTS) -> str:
+def index(results: Path) -> str:
+    """Every results file with the command and commit that wrote it."""
     rows = []
     for path in sorted(results.glob("*.json")):
         data = read_results(path)
@@ -161,9 +162,7 @@ RENDERERS: dict[str, Renderer] = {
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
     "faults": faults, "hardening-overhead": hardening_overhead,
 }
-WITHOUT_RESULTS: dict[str, Callable[[dict[str, Any] | None], str]] = {
-    "generated": generated, "index": index,
-}
+WITHOUT_RESULTS = ("generated", "index")  # the page's header, the list of results files
 
 
 def render(template: Path = TEMPLATE, results: Path = RESULTS) -> str:
@@ -175,7 +174,7 @@ def render(template: Path = TEMPLATE, results: Path = RESULTS) -> str:
             continue
         name = match.group(1)
         if name in WITHOUT_RESULTS:
-            out.append(index(None, results) if name == "index" else WITHOUT_RESULTS[name](None))
+            out.append(generated() if name == "generated" else index(results))
             continue
         if name not in RENDERERS:
             raise SystemExit(f"{template}: no renderer for {{{{{name}}}}}; "
