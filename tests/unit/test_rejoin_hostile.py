@@ -1,12 +1,12 @@
 """Joins that do not fit a running ``fault_tolerance="continue"`` job: each is refused alone,
 named, and the job runs on untouched (issue 36's hostile rejoin cases). The real
-``Coordinator`` with a recording ``send``, as in test_membership_hostile."""
+``Coordinator`` with a recording ``send``, as built by tests/membership_cases.py."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
-from test_membership_hostile import JOB, A, B, C, Recorder, formed, join, lose_c, state
+from membership_cases import JOB, A, B, C, Recorder, formed, join, lose_c, state
 
 from commd.coordinator.coordinator import Coordinator
 from commd_protocol import (

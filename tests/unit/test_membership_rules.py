@@ -1,9 +1,9 @@
 """Membership rules the end of a job and a crashed peer daemon rely on, on the real
-``Coordinator`` with a recording ``send`` (as in test_membership_hostile)."""
+``Coordinator`` with a recording ``send`` (as built by tests/membership_cases.py)."""
 
 from __future__ import annotations
 
-from test_membership_hostile import JOB, STRANGER, A, B, C, formed, state
+from membership_cases import JOB, STRANGER, A, B, C, formed, state
 
 from commd.coordinator.membership import resume_iteration
 from commd_protocol import PeerLeave, PeerReform, PeerResume

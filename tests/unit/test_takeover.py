@@ -1,7 +1,7 @@
 """Taking over a tolerant job whose coordinator was lost, on the next node's ``Coordinator``:
 it gathers the roster's nodes (``PeerTakeover``), waits for the missing ones only so long,
-then resumes them in a new epoch; what does not fit is refused alone. The real
-``Coordinator`` with a recording ``send`` and a fake clock, as in test_membership_hostile."""
+then resumes them in a new epoch; what does not fit is refused alone. The real ``Coordinator``
+with a recording ``send`` and a fake clock, as built by tests/membership_cases.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import msgspec
 import pytest
-from test_membership_hostile import JOB, B, C, Recorder, join
+from membership_cases import JOB, B, C, Recorder, join
 
 from commd.coordinator.coordinator import MAX_FORMING_PER_NODE, Coordinator
 from commd.coordinator.membership import TAKEOVER_WAIT_S
