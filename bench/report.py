@@ -46,7 +46,7 @@ def provenance(name: str, data: dict[str, Any]) -> str:
              machine.get("platform", "")]
     load = machine.get("loadavg")
     if load:
-        facts.append(f"load average {load[0]:.1f} at the start")
+        facts.append(f"load average {load[0]:.1f}")
     return para(f"Command `{data.get('command') or '?'}`, commit `{data.get('commit') or '?'}`, "
                 f"{', '.join(f for f in facts if f)}; every number: "
                 f"[bench/results/{name}.json](../bench/results/{name}.json).")
@@ -84,7 +84,8 @@ def overhead(data: dict[str, Any]) -> str:
                  f"{data['warmup']} warm-up + {data['iterations']} measured iterations per "
                  f"repeat; milliseconds on rank 0, ratio = commd / raw Gloo (paired: the median "
                  f"of the per-iteration ratios); torch {data['torch']}, load average "
-                 f"{data['loadavg_end'][0]:.1f} at the end:")
+                 f"{data['loadavg_start'][0]:.1f} at the start, {data['loadavg_end'][0]:.1f} at "
+                 f"the end:")
     return f"{intro}\n\n{bench.table(data)}\n\n{provenance('overhead', data)}"
 
 
