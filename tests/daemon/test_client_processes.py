@@ -1,5 +1,7 @@
-"""The client against a missing daemon (in a fresh process) and against a real `commd run`
-without cupy: the failures a rank sees first, each one line saying what to do."""
+"""The client against a missing daemon (in a fresh process) and against a real `commd run`:
+without cupy, and refusing bad arguments before creating anything (the checks themselves are in
+tests/unit/test_client_arguments.py): the failures a rank sees first, each one line saying
+what to do."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ import pytest
 from commd.testing.processes import finish
 from commd_client import Client, CommdError
 
+from daemons import commd_segments
+
 REPO = Path(__file__).resolve().parents[2]
+
 _CONNECT = """
 import json, sys, time
 from commd_client import Client, CommdError
@@ -81,3 +86,25 @@ def test_register_on_a_device_without_cupy(monkeypatch: pytest.MonkeyPatch,
         client.ready(0)
         client.wait()
         assert views[0].tolist() == [2, 2, 2, 2]
+
+
+def test_a_client_refuses_before_creating_anything(start_daemon) -> None:
+    daemon = start_daemon()
+    before = commd_segments()
+    with Client(job="args", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                coordinator=daemon.address, socket=daemon.socket, timeout=30) as client:
+        for layers in ([("w", 2**63)], [("w", -1)], [("w", 4), ("w", 4)], [("w", 1.5)]):
+            with pytest.raises(CommdError, match="register"):
+                client.register(layers)
+            assert commd_segments() == before  # no segment leaked or left behind
+        with pytest.raises(CommdError, match="before register"):
+            client.ready(0)
+        grads = client.register([("w", 4), ("b", 2)], op="sum")
+        for bad in (True, 1.5, "0", 2):
+            with pytest.raises(CommdError, match="ready"):
+                client.ready(bad)
+        grads[0][:] = 1.0
+        grads[1][:] = 2.0
+        client.ready([1, 0])
+        client.wait()  # the refused calls changed nothing: the iteration runs
+        assert grads[0].tolist() == [1.0] * 4 and grads[1].tolist() == [2.0] * 2

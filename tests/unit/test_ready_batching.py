@@ -12,10 +12,7 @@ import pytest
 
 from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
-from commd.testing.processes import kill_all
 from commd_client.batching import ReadyBatcher
-
-from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
 def test_marks_are_sent_when_they_complete_a_group() -> None:
@@ -98,26 +95,3 @@ async def test_pipeline_refuses_stamps_that_do_not_match(executor) -> None:
     with pytest.raises(ReadyError, match="1 stamps for 2 layers"):
         pipeline.mark(0, [1, 0], stamps=[1.0])
     pipeline.mark(0, [1, 0])  # nothing was marked by the refused call
-
-
-def test_daemon_gets_one_notification_per_group(start_daemon) -> None:
-    """Eight layers marked one by one, one group (syncea): one ready message per iteration
-    instead of eight, through real daemons."""
-    nodes = [start_daemon(), start_daemon()]
-    layers = [(f"layer{i}", 1024) for i in range(8)]
-    spec = JobSpec("batched", nodes, 1, layers, iterations=100_000, planner="syncea", timeout=30,
-                   overrides={r: {"skip_results": True} for r in range(2)})
-    processes = start_ranks(spec)
-    try:
-        await_registered(processes)
-        job: dict = {}
-        for _ in range(200):
-            (job,) = daemon_status(nodes[0].socket)["jobs"]
-            if job["iteration"] >= 20:
-                break
-        assert job["iteration"] >= 20, job
-        # Iteration 0 may run before the client knows the plan (then: a message per layer).
-        assert job["ready_messages"] <= job["iteration"] + 1 + len(layers), job
-    finally:
-        kill_all(processes)
-        collect(processes)
