@@ -88,7 +88,7 @@ def test_register_on_a_device_without_cupy(monkeypatch: pytest.MonkeyPatch,
         assert views[0].tolist() == [2, 2, 2, 2]
 
 
-def test_a_client_refuses_before_creating_anything(start_daemon) -> None:
+def test_a_client_refuses_before_creating_anything(start_daemon: Any) -> None:
     daemon = start_daemon()
     before = commd_segments()
     with Client(job="args", rank=0, world_size=1, local_rank=0, local_world_size=1,

@@ -4,6 +4,8 @@ tests/unit/test_momentum_correction.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from compression_reference import exchange
@@ -18,7 +20,7 @@ LAYERS = [("w0", 40), ("b0", 1), ("w1", 64), ("b1", 7)]
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", ["allreduce", "allgather"])
-def test_exact_against_numpy_through_two_daemons(start_daemon, method: str) -> None:
+def test_exact_against_numpy_through_two_daemons(start_daemon: Any, method: str) -> None:
     nodes = [start_daemon(), start_daemon()]
     ratio, momentum = 0.1, 0.9
     spec = JobSpec(f"topk-momentum-{method}", nodes, 2, LAYERS, op="sum", iterations=4,

@@ -3,12 +3,14 @@ instead of one per layer (the batching itself is tested in tests/unit/test_ready
 
 from __future__ import annotations
 
+from typing import Any
+
 from commd.testing.processes import kill_all
 
 from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
-def test_daemon_gets_one_notification_per_group(start_daemon) -> None:
+def test_daemon_gets_one_notification_per_group(start_daemon: Any) -> None:
     """Eight layers marked one by one, one group (syncea): one ready message per iteration
     instead of eight, through real daemons."""
     nodes = [start_daemon(), start_daemon()]
@@ -18,7 +20,7 @@ def test_daemon_gets_one_notification_per_group(start_daemon) -> None:
     processes = start_ranks(spec)
     try:
         await_registered(processes)
-        job: dict = {}
+        job: dict[str, Any] = {}
         for _ in range(200):
             (job,) = daemon_status(nodes[0].socket)["jobs"]
             if job["iteration"] >= 20:
