@@ -1,7 +1,7 @@
-"""What a test in tests/unit may not do: start a process, or bind or connect a network or Unix
-socket (Python's or ZeroMQ's). tests/unit/conftest.py switches the guard on around every phase
-of each unit test (setup, call, teardown, so fixtures of every scope are covered): a test that
-needs a process or a socket belongs in tests/daemon or tests/system.
+"""What a test in tests/unit may not do: start a process, or bind, connect or send a datagram on
+a network or Unix socket (Python's or ZeroMQ's). tests/unit/conftest.py switches the guard on
+around every phase of each unit test (setup, call, teardown, so fixtures of every scope are
+covered): a test that needs a process or a socket belongs in tests/daemon or tests/system.
 
 Allowed: ``socket.socketpair()`` (asyncio's event loop wakes itself through one), ZeroMQ's
 ``inproc://`` transport, threads."""
@@ -51,6 +51,7 @@ def guarded() -> Iterator[None]:
     real_connect = socket.socket.connect
     real_connect_ex = socket.socket.connect_ex
     real_bind = socket.socket.bind
+    real_sendto = socket.socket.sendto
     real_zmq_bind = zmq.Socket.bind
     real_zmq_connect = zmq.Socket.connect
 
@@ -68,6 +69,11 @@ def guarded() -> Iterator[None]:
         if self.family in GUARDED_FAMILIES:
             refuse(f"binds a socket to {address!r}")
         real_bind(self, address)
+
+    def sendto(self: socket.socket, data: Any, *rest: Any) -> int:
+        if self.family in GUARDED_FAMILIES:  # (data, address) or (data, flags, address)
+            refuse(f"sends a datagram to {rest[-1]!r}")
+        return real_sendto(self, data, *rest)
 
     def zmq_bind(self: zmq.Socket[Any], addr: str) -> Any:
         if not addr.startswith("inproc://"):
@@ -92,6 +98,7 @@ def guarded() -> Iterator[None]:
         patch.setattr(socket.socket, "connect", connect)
         patch.setattr(socket.socket, "connect_ex", connect_ex)
         patch.setattr(socket.socket, "bind", bind)
+        patch.setattr(socket.socket, "sendto", sendto)
         patch.setattr(zmq.Socket, "bind", zmq_bind)
         patch.setattr(zmq.Socket, "connect", zmq_connect)
         patch.setattr(subprocess.Popen, "__init__", popen)

@@ -1,6 +1,7 @@
-"""The unit tier's guard (tests/unit_guard.py, on for every test here): a process or a network
-or Unix socket is refused, what asyncio and in-process ZeroMQ need is not, and a refusal that
-the code under test swallows is still held against the test."""
+"""The unit tier's guard (tests/unit_guard.py, on for every test here): a process is refused,
+and so is binding, connecting or sending a datagram on a network or Unix socket; what asyncio
+and in-process ZeroMQ need is not; a refusal that the code under test swallows is still held
+against the test."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def test_a_unix_socket_is_refused(tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, refused():
         sock.connect(str(tmp_path / "s.sock"))
     assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize(("family", "address"), [
+    (socket.AF_INET, ("127.0.0.1", 9)), (socket.AF_UNIX, "/nonexistent-commd-dir/notify"),
+])
+def test_a_datagram_is_refused(family: socket.AddressFamily, address: tuple[str, int] | str
+                              ) -> None:
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        with refused():
+            sock.sendto(b"x", address)
+        with refused():
+            sock.sendto(b"x", 0, address)
 
 
 def test_zeromq_is_refused_but_inproc() -> None:
