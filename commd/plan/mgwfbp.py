@@ -33,7 +33,7 @@ def mgwfbp(sizes_bytes: Sequence[int], backward_s: Sequence[float], cost: Linear
     The full recomputation makes the paper's loop O(L²), but the test at layer l only reads
     tau_c(l), which depends on the decisions already taken above l: tau_c(l) = max(end of the
     last closed group, ready(l)). Carrying that end along gives the same groups in O(L)
-    (tests/test_planner.py checks this against a literal transcription).
+    (tests/unit/test_planner.py checks this against a literal transcription).
 
     The rule is greedy and not always optimal; ``optimal`` is.
     """

@@ -1,5 +1,5 @@
 """Hostile frames for the daemons' sockets: what bench/fuzz.py (seeded ``random``) and
-tests/test_fuzz.py (hypothesis) both build on.
+tests/daemon/test_fuzz.py (hypothesis) both build on.
 
 A frame is MessagePack written by ``pack``, which also writes what msgpack will not: ``Raw``
 bytes where a value goes (nesting deeper than msgpack packs, invalid UTF-8) and a map that
@@ -103,7 +103,7 @@ def decoded_deeper(frame: bytes, frames: int) -> Any:
 def stack_sensitive(frame: Any) -> bool:
     """A goodbye or status whose decoding depends on the caller's stack depth (msgspec's
     nesting limit is Python's recursion limit): the daemon may call it malformed where this
-    process sees the message, and a reply would be missing or extra. tests/test_fuzz.py has
+    process sees the message, and a reply would be missing or extra. tests/daemon/test_fuzz.py has
     the case as an xfail test; neither it nor bench/fuzz.py sends such frames otherwise."""
     return isinstance(decoded(frame), Goodbye | StatusRequest) and \
         decoded_deeper(frame, 200) is None
