@@ -43,7 +43,7 @@ from commd.plan import (
     ready_times,
 )
 from commd.plan.model_profiles import Profile, resolve_profile, shipped_profile_names
-from commd.plan.units import parse_nodes
+from commd.plan.units import format_seconds, parse_nodes
 from commd.testing.results import add_results_option, write_results
 from commd.testing.tables import markdown_table
 
@@ -213,11 +213,7 @@ def planning_time(num_layers: int = TIMING_LAYERS, repeats: int = 5) -> dict[str
 
 
 def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.1f} ms"
-    return f"{value * 1e6:.1f} µs"
+    return format_seconds(value, micro="µs")
 
 
 def _markdown(header: Sequence[str], rows: list[list[str]]) -> list[str]:

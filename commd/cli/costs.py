@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from commd.compression.costs import ExchangeCosts, exchange_costs
 from commd.plan import parse_bandwidth, parse_duration
-from commd.plan.units import parse_nodes
+from commd.plan.units import format_seconds, parse_nodes
 
 __all__ = ["JSON_KEYS", "register_command", "run"]
 
@@ -113,14 +113,6 @@ def _json_case(case: _Case, with_inputs: bool) -> dict[str, Any]:
     return out
 
 
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.1f} ms"
-    return f"{value * 1e6:.1f} us"
-
-
 def _table(elements: int, cases: list[_Case]) -> str:
     lines = [
         f"top-k exchange of {elements:,} float32 values ({elements * 4 / 1e6:.1f} MB dense), "
@@ -147,10 +139,10 @@ def _table(elements: int, cases: list[_Case]) -> str:
             case.bandwidth,
             f"{case.ratio:g}",
             f"{case.costs.k:,}",
-            _seconds(case.costs.allgather_s),
-            _seconds(case.costs.allreduce_ring_s),
-            _seconds(case.costs.allreduce_tree_s),
-            _seconds(case.costs.dense_allreduce_s),
+            format_seconds(case.costs.allgather_s),
+            format_seconds(case.costs.allreduce_ring_s),
+            format_seconds(case.costs.allreduce_tree_s),
+            format_seconds(case.costs.dense_allreduce_s),
             case.costs.choice
             + (f" ({case.costs.allreduce_algorithm})" if case.costs.choice == "allreduce" else ""),
         )

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from commd.cli._pyplot import pyplot
 from commd.plan import (
     MGWFBP_SIM,
     NETWORK_PRESETS,
@@ -30,6 +31,7 @@ from commd.plan import (
     ring_allreduce_cost,
 )
 from commd.plan.model_profiles import Profile, load_profile, resolve_profile
+from commd.plan.units import format_seconds
 
 __all__ = [
     "DEFAULT_PLANNERS",
@@ -153,27 +155,19 @@ def _report(
     }
 
 
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.1f} ms"
-    return f"{value * 1e6:.1f} us"
-
-
 def _table(report: dict[str, Any]) -> str:
     nodes = report["nodes"]
     title = f"{nodes} nodes" if nodes is not None else "measured cluster"
     lines = [
-        f"{title}: all-reduce of M bytes = {_seconds(report['alpha_s'])} + "
+        f"{title}: all-reduce of M bytes = {format_seconds(report['alpha_s'])} + "
         f"{report['beta_s_per_byte'] * 1e9:.4g} ns/B x M ({report['cost_model']})"
     ]
     header = ("planner", "iteration", "exposed comm", "groups", "vs wfbp", "efficiency")
     rows = [header] + [
         (
             name,
-            _seconds(r["iteration_s"]),
-            _seconds(r["exposed_comm_s"]),
+            format_seconds(r["iteration_s"]),
+            format_seconds(r["exposed_comm_s"]),
             str(r["num_groups"]),
             f"{r['speedup_vs_wfbp']:.2f}x",
             f"{r['scaling_efficiency']:.1%}",
@@ -187,18 +181,6 @@ def _table(report: dict[str, Any]) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
-
-
-def _pyplot() -> Any:
-    """matplotlib is optional (commd[plot]): import it only when a plot is asked for."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'commd[plot]'") from None
-    return plt
 
 
 def _plot(plt: Any, reports: list[dict[str, Any]], path: str) -> None:
@@ -286,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         nodes = parse_nodes(args.nodes) if args.nodes else []
         model = _cost_model(args, nodes)
         planners = _planner_names(args.planners)
-        plt = _pyplot() if args.plot else None  # fail before any output
+        plt = pyplot() if args.plot else None  # fail before any output
         profile = resolve_profile(args.profile)
         counts: list[int | None] = list(nodes) if nodes else [None]
         reports = [_report(profile, n, model, planners) for n in counts]
@@ -301,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         total_mb = sum(profile.sizes_bytes) / 1e6
         print(
             f"{profile.name}: {len(profile.sizes_bytes)} layers, {total_mb:.1f} MB, "
-            f"forward {_seconds(profile.forward_s)}, backward {_seconds(sum(profile.backward_s))}"
+            f"forward {format_seconds(profile.forward_s)}, "
+            f"backward {format_seconds(sum(profile.backward_s))}"
         )
         for report in reports:
             print()

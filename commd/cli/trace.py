@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from commd.cli._pyplot import pyplot
 from commd_protocol import (
     DEFAULT_SOCKET,
     Error,
@@ -179,15 +180,10 @@ def _us(seconds: float) -> float:
 
 
 def _pyplot() -> Any:
-    """matplotlib is optional (commd[plot]): import it only when a plot is asked for."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise TraceFailed("commd: --plot needs matplotlib: pip install 'commd[plot]'") from None
-    return plt
+        return pyplot()
+    except ValueError as exc:
+        raise TraceFailed(f"commd: {exc}") from None
 
 
 def plotted_iteration(replies: list[TraceReply]) -> int:

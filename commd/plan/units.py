@@ -1,11 +1,12 @@
-"""Parsing of sizes, durations and bandwidths written by people ("25MB", "50us", "10Gbps")."""
+"""Parsing of sizes, durations and bandwidths written by people ("25MB", "50us", "10Gbps"),
+and durations written for people."""
 
 from __future__ import annotations
 
 import math
 import re
 
-__all__ = ["parse_bandwidth", "parse_duration", "parse_nodes", "parse_size"]
+__all__ = ["format_seconds", "parse_bandwidth", "parse_duration", "parse_nodes", "parse_size"]
 
 _MAX_NODES = 1 << 20
 
@@ -116,3 +117,12 @@ def parse_nodes(text: str) -> list[int]:
         else:
             counts.add(count(part))
     return sorted(counts)
+
+
+def format_seconds(value: float, micro: str = "us") -> str:
+    """``value`` seconds in s, ms or ``micro``-seconds, whichever reads best."""
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e6:.1f} {micro}"
