@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from launcher_env import point_at
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from commd.testing.daemons import LocalDaemon
+from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd_client import CommdError
 from commd_client._torch_options import interpret
 from commd_client.torch import DistributedDataParallel
@@ -32,23 +33,14 @@ TORCH_DDP = torch.nn.parallel.DistributedDataParallel
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
-    started = LocalDaemon(tmp_path_factory.mktemp("dropin"), "d0", "--backend", "gloo")
-    try:
+    with gloo_daemons(tmp_path_factory.mktemp("dropin"), ("d0",)) as (started,):
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture
 def where(daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch) -> LocalDaemon:
     """A one-rank environment pointing at the daemon (no torchrun variables)."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "COMMD_JOB",
-                 "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("COMMD_SOCKET", daemon.socket)
-    monkeypatch.setenv("COMMD_COORDINATOR", daemon.address)
-    monkeypatch.setenv("COMMD_TIMEOUT", "20")
-    return daemon
+    return point_at(daemon, monkeypatch)
 
 
 @pytest.fixture

@@ -14,44 +14,31 @@ from typing import Any
 
 import pytest
 import torch
+from launcher_env import clear_launcher_variables, point_at
 from torch import nn
 
-from commd.testing.daemons import LocalDaemon
+from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.processes import finish, start_json_worker
 from commd_client import Client, CommdError, CommdValueError, env
 from commd_client._torch_common import Broadcaster, Endpoint
 from commd_client.torch import DistributedDataParallel
 from commd_protocol import Register
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "COMMD_JOB",
-                      "COMMD_COORDINATOR", "COMMD_SOCKET", "TORCHELASTIC_RUN_ID",
-                      "MASTER_ADDR", "MASTER_PORT", "COMMD_FAULT_TOLERANCE",
-                      "COMMD_MIN_WORLD_SIZE", "COMMD_NODE_RANK", "COMMD_NNODES")
-
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No torchrun or commd variable of the shell running the tests leaks in."""
-    for name in TORCHRUN_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
-    started = LocalDaemon(tmp_path_factory.mktemp("tolerance"), "d0", "--backend", "gloo")
-    try:
+    with gloo_daemons(tmp_path_factory.mktemp("tolerance"), ("d0",)) as (started,):
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture
 def where(daemon: LocalDaemon, monkeypatch: pytest.MonkeyPatch) -> LocalDaemon:
-    """A one-rank environment pointing at the daemon."""
-    monkeypatch.setenv("COMMD_SOCKET", daemon.socket)
-    monkeypatch.setenv("COMMD_COORDINATOR", daemon.address)
-    monkeypatch.setenv("COMMD_TIMEOUT", "20")
-    return daemon
+    return point_at(daemon, monkeypatch)
 
 
 def test_continue_on_a_device_buffer_is_refused_at_register(where: LocalDaemon) -> None:

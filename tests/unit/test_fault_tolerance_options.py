@@ -16,23 +16,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from launcher_env import clear_launcher_variables
 
 from commd_client import Client, CommdTypeError, CommdValueError, env
 from commd_client._framework_options import commd_keywords
 from commd_client.membership import Membership
 from commd_protocol import Done
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "COMMD_JOB",
-                      "COMMD_COORDINATOR", "COMMD_SOCKET", "TORCHELASTIC_RUN_ID",
-                      "MASTER_ADDR", "MASTER_PORT", "COMMD_FAULT_TOLERANCE",
-                      "COMMD_MIN_WORLD_SIZE", "COMMD_NODE_RANK", "COMMD_NNODES")
-
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No torchrun or commd variable of the shell running the tests leaks in."""
-    for name in TORCHRUN_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
 
 
 def _nowhere(tmp_path: Path, **keywords: Any) -> Client:
