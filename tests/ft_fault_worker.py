@@ -32,9 +32,9 @@ from typing import Any
 
 from tolerant_worker import await_file, digest
 
-from commd_client import Client, CommdError
+from commd_client import CommdError
 
-from rank_worker import value
+from rank_worker import client_for, value
 
 
 def await_go(progress: Path, name: str, rank: int, timeout: float) -> None:
@@ -48,10 +48,7 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank, "digests": [], "epochs": [], "world_sizes": []}
     progress = Path(spec["progress_dir"])
     try:
-        with Client(job=spec["job"], rank=rank, world_size=spec["world_size"],
-                    local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
-                    coordinator=spec["coordinator"], socket=spec["socket"],
-                    timeout=spec["timeout"], fault_tolerance="continue") as client:
+        with client_for(spec, fault_tolerance="continue") as client:
             layers = [(name, size) for name, size in spec["layers"]]
             grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
             out["joined_at"] = client.joined_at  # 0, or where a replacement came in

@@ -19,7 +19,7 @@ import time
 import cupy
 import numpy as np
 
-from commd_client import Client, CommdError
+from rank_worker import client_for, reported
 
 
 def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
@@ -52,45 +52,36 @@ def main() -> None:
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(spec.get("streams", 1))]
     main_stream = streams[0]
     out: dict[str, object] = {"rank": spec["rank"], "errors": [], "relative": []}
-    try:
-        with Client(
-            job=spec["job"], rank=spec["rank"], world_size=world,
-            local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
-            coordinator=spec["coordinator"], socket=spec["socket"], timeout=spec["timeout"],
-        ) as client:
-            layers = [(name, size) for name, size in spec["layers"]]
-            grads = client.register(layers, dtype=dtype, op=op, planner=spec.get("planner",
-                                    "wfbp"), device=f"cuda:{device}")
-            began = time.perf_counter()
-            for iteration in range(spec["iterations"]):
-                if iteration == spec.get("die_at"):
-                    os._exit(17)  # vanish without goodbye, like a crashed trainer
-                for position, index in enumerate(reversed(range(len(layers)))):
-                    stream = streams[position % len(streams)]
-                    with stream:
-                        grads[index][...] = to_device(
-                            value(spec["rank"], iteration, index, layers[index][1]), dtype)
-                    client.ready(index, stream=stream)
-                client.wait(stream=main_stream)
-                with main_stream:
-                    host = [cupy.asnumpy(g, stream=main_stream) for g in grads]
-                main_stream.synchronize()
-                worst = relative = 0.0
-                for i, (h, (_, n)) in enumerate(zip(host, layers, strict=True)):
-                    want = expected(world, op, iteration, i, n)
-                    error = np.abs(to_float(h, dtype) - want)
-                    worst = max(worst, float(error.max()))
-                    relative = max(relative, float((error / np.maximum(np.abs(want), 1)).max()))
-                out["errors"].append(worst)  # type: ignore[union-attr]
-                out["relative"].append(relative)  # type: ignore[union-attr]
-                ready = main_stream.record()
-                for stream in streams[1:]:  # the next writes follow the reduced values
-                    stream.wait_event(ready)
-            out["seconds"] = time.perf_counter() - began
-    except CommdError as exc:
-        out["error"] = str(exc)
-        out["code"] = str(exc.code)
-    print(json.dumps(out), flush=True)
+    with reported(out), client_for(spec) as client:
+        layers = [(name, size) for name, size in spec["layers"]]
+        grads = client.register(layers, dtype=dtype, op=op, planner=spec.get("planner",
+                                "wfbp"), device=f"cuda:{device}")
+        began = time.perf_counter()
+        for iteration in range(spec["iterations"]):
+            if iteration == spec.get("die_at"):
+                os._exit(17)  # vanish without goodbye, like a crashed trainer
+            for position, index in enumerate(reversed(range(len(layers)))):
+                stream = streams[position % len(streams)]
+                with stream:
+                    grads[index][...] = to_device(
+                        value(spec["rank"], iteration, index, layers[index][1]), dtype)
+                client.ready(index, stream=stream)
+            client.wait(stream=main_stream)
+            with main_stream:
+                host = [cupy.asnumpy(g, stream=main_stream) for g in grads]
+            main_stream.synchronize()
+            worst = relative = 0.0
+            for i, (h, (_, n)) in enumerate(zip(host, layers, strict=True)):
+                want = expected(world, op, iteration, i, n)
+                error = np.abs(to_float(h, dtype) - want)
+                worst = max(worst, float(error.max()))
+                relative = max(relative, float((error / np.maximum(np.abs(want), 1)).max()))
+            out["errors"].append(worst)  # type: ignore[union-attr]
+            out["relative"].append(relative)  # type: ignore[union-attr]
+            ready = main_stream.record()
+            for stream in streams[1:]:  # the next writes follow the reduced values
+                stream.wait_event(ready)
+        out["seconds"] = time.perf_counter() - began
 
 
 if __name__ == "__main__":

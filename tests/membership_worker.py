@@ -24,9 +24,7 @@ from typing import Any
 
 from tolerant_worker import await_file, digest
 
-from commd_client import Client, CommdError
-
-from rank_worker import value
+from rank_worker import client_for, reported, value
 
 
 def main() -> None:
@@ -35,38 +33,31 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank, "digests": [], "epochs": [], "world_sizes": []}
     progress = Path(spec["progress_dir"])
     timeout = spec["timeout"]
-    try:
-        with Client(job=spec["job"], rank=rank, world_size=spec["world_size"],
-                    local_rank=0, local_world_size=1, coordinator=spec["coordinator"],
-                    socket=spec["socket"], timeout=timeout) as client:
-            layers = [(name, size) for name, size in spec["layers"]]
-            grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
-            for iteration in range(spec["iterations"]):
-                if iteration == spec.get("gate_before"):
-                    (progress / f"gated-{rank}").touch()
-                    await_file(progress / "go", timeout)
-                victim = iteration == spec.get("die_at")
-                if victim:
-                    (progress / "victim").touch()
-                elif iteration == spec.get("loss_at"):
-                    await_file(progress / "victim", timeout)
-                for index, (_, size) in enumerate(layers):
-                    grads[index][:] = value(rank, iteration, index, size)
-                client.ready(range(len(layers)))
-                if victim:
-                    os._exit(17)  # its node's collectives are on the wire: die while there
-                client.wait()
-                out["digests"].append(digest(grads))
-                out["epochs"].append(client.epoch)
-                out["world_sizes"].append(client.world_size)
-                if iteration == spec.get("hold_after"):
-                    (progress / f"held-{rank}").touch()
-                    await_file(progress / "release", timeout)
-            out["members"] = list(client.members)
-    except CommdError as exc:
-        out["error"] = str(exc)
-        out["code"] = str(exc.code)
-    print(json.dumps(out), flush=True)
+    with reported(out), client_for(spec, local_rank=0, local_world_size=1) as client:
+        layers = [(name, size) for name, size in spec["layers"]]
+        grads = client.register(layers, dtype="float64", op="avg", planner="wfbp")
+        for iteration in range(spec["iterations"]):
+            if iteration == spec.get("gate_before"):
+                (progress / f"gated-{rank}").touch()
+                await_file(progress / "go", timeout)
+            victim = iteration == spec.get("die_at")
+            if victim:
+                (progress / "victim").touch()
+            elif iteration == spec.get("loss_at"):
+                await_file(progress / "victim", timeout)
+            for index, (_, size) in enumerate(layers):
+                grads[index][:] = value(rank, iteration, index, size)
+            client.ready(range(len(layers)))
+            if victim:
+                os._exit(17)  # its node's collectives are on the wire: die while there
+            client.wait()
+            out["digests"].append(digest(grads))
+            out["epochs"].append(client.epoch)
+            out["world_sizes"].append(client.world_size)
+            if iteration == spec.get("hold_after"):
+                (progress / f"held-{rank}").touch()
+                await_file(progress / "release", timeout)
+        out["members"] = list(client.members)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,28 @@ def await_others(spec: dict[str, Any], iteration: int) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"rank {spec['rank']}: the others never finished {iteration}")
         time.sleep(0.01)  # polling a condition, with a deadline
+
+
+_IDENTITY = ("job", "rank", "world_size", "local_rank", "local_world_size", "coordinator",
+             "socket", "timeout")
+
+
+def client_for(spec: dict[str, Any], **options: Any) -> Client:
+    """A client with the spec's identity and timeout; ``options`` add to or replace them."""
+    given = {key: spec[key] for key in _IDENTITY if key not in options}
+    return Client(**given, **options)
+
+
+@contextmanager
+def reported(out: dict[str, Any]) -> Iterator[None]:
+    """Print ``out`` as the last JSON line, with the error and its code where a CommdError
+    ended the body (any other exception propagates, printing nothing)."""
+    try:
+        yield
+    except CommdError as exc:
+        out["error"] = str(exc)
+        out["code"] = str(exc.code)
+    print(json.dumps(out), flush=True)
 
 
 def record_error(out: dict[str, object], exc: CommdError) -> None:
@@ -114,11 +138,7 @@ def main() -> None:
     out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": [],
                               "dense": []}
     try:
-        with Client(
-            job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
-            local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
-            coordinator=spec["coordinator"], socket=spec["socket"], timeout=spec["timeout"],
-        ) as client:
+        with client_for(spec) as client:
             try:
                 train(client, spec, out)
             except CommdError as exc:

@@ -29,9 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from commd_client import Client, CommdError
-
-from rank_worker import value
+from rank_worker import client_for, reported, value
 
 
 def digest(arrays: list[np.ndarray]) -> str:
@@ -52,46 +50,38 @@ def main() -> None:
     rank = spec["rank"]
     out: dict[str, Any] = {"rank": rank, "digests": [], "epochs": [], "world_sizes": []}
     progress = Path(spec["progress_dir"])
-    try:
-        with Client(job=spec["job"], rank=rank, world_size=spec["world_size"],
-                    local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
-                    coordinator=spec["coordinator"], socket=spec["socket"],
-                    timeout=spec["timeout"]) as client:
-            layers = [(name, size) for name, size in spec["layers"]]
-            grads = client.register(layers, dtype="float64", op="avg", planner="wfbp",
-                                    compression=spec.get("compression", "none"))
-            out["joined_at"] = client.joined_at  # 0, or where a replacement came in
-            if spec.get("joiner"):
-                (progress / "joined").touch()
-            gates = {iteration: name for iteration, name in spec.get("holds", [])}
-            for iteration in range(client.joined_at, spec["iterations"]):
-                if iteration == spec.get("hold_at"):  # until the replacement is in, or
-                    await_file(progress / spec.get("hold_for", "joined"), spec["timeout"])
-                if iteration in gates:
-                    (progress / f"held-{iteration}-{rank}").touch()
-                    await_file(progress / gates[iteration], spec["timeout"])
-                victim = iteration == spec.get("die_at")
-                if victim:
-                    (progress / "victim").touch()
-                elif iteration == spec.get("loss_at"):
-                    await_file(progress / "victim", spec["timeout"])
-                for index, (_, size) in enumerate(layers):
-                    grads[index][:] = value(rank, iteration, index, size)
-                if victim and spec.get("die_when") == "before_ready":
-                    os._exit(17)
-                client.ready(range(len(layers)))
-                if victim:
-                    # its node's collectives go on the wire: die while they are there
-                    os._exit(17)
-                client.wait()
-                out["digests"].append(digest(grads))
-                out["epochs"].append(client.epoch)
-                out["world_sizes"].append(client.world_size)
-            out["members"] = list(client.members)
-    except CommdError as exc:
-        out["error"] = str(exc)
-        out["code"] = str(exc.code)
-    print(json.dumps(out), flush=True)
+    with reported(out), client_for(spec) as client:
+        layers = [(name, size) for name, size in spec["layers"]]
+        grads = client.register(layers, dtype="float64", op="avg", planner="wfbp",
+                                compression=spec.get("compression", "none"))
+        out["joined_at"] = client.joined_at  # 0, or where a replacement came in
+        if spec.get("joiner"):
+            (progress / "joined").touch()
+        gates = {iteration: name for iteration, name in spec.get("holds", [])}
+        for iteration in range(client.joined_at, spec["iterations"]):
+            if iteration == spec.get("hold_at"):  # until the replacement is in, or
+                await_file(progress / spec.get("hold_for", "joined"), spec["timeout"])
+            if iteration in gates:
+                (progress / f"held-{iteration}-{rank}").touch()
+                await_file(progress / gates[iteration], spec["timeout"])
+            victim = iteration == spec.get("die_at")
+            if victim:
+                (progress / "victim").touch()
+            elif iteration == spec.get("loss_at"):
+                await_file(progress / "victim", spec["timeout"])
+            for index, (_, size) in enumerate(layers):
+                grads[index][:] = value(rank, iteration, index, size)
+            if victim and spec.get("die_when") == "before_ready":
+                os._exit(17)
+            client.ready(range(len(layers)))
+            if victim:
+                # its node's collectives go on the wire: die while they are there
+                os._exit(17)
+            client.wait()
+            out["digests"].append(digest(grads))
+            out["epochs"].append(client.epoch)
+            out["world_sizes"].append(client.world_size)
+        out["members"] = list(client.members)
 
 
 if __name__ == "__main__":
