@@ -4,7 +4,8 @@ it did. These hooks apply to the items under this folder only."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import unit_guard
@@ -34,3 +35,11 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None
                             ) -> Generator[None, None, None]:
     yield from guarded_phase()
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    """The daemon's two worker threads, as the pipeline tests give them to a Pipeline."""
+    pool = ThreadPoolExecutor(2)
+    yield pool
+    pool.shutdown()

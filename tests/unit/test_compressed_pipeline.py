@@ -7,7 +7,6 @@ test_compression.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,13 +65,6 @@ class GatherEngine(HeldEngine):
         future = self._future()
         self.held.append(future)
         return future
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(2)
-    yield pool
-    pool.shutdown()
 
 
 FIXED = CompressionSpec(0.1, "auto")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -64,13 +64,6 @@ class WireEngine:
         future: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
         self.pending.append(future)
         return future
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(2)
-    yield pool
-    pool.shutdown()
 
 
 def make(log: list[str], executor: ThreadPoolExecutor, engine: Any = None, op: str = "avg",
