@@ -42,19 +42,14 @@ def failure(what: str, exc: BaseException) -> EngineError:
 
 def call(what: str, function: Callable[..., T], *args: Any) -> T:
     """``function(*args)``; a library failure becomes EngineError naming ``what``."""
-    try:
+    with checked(what):
         return function(*args)
-    except EngineError:
-        raise
-    except _PROGRAMMING_ERRORS:
-        raise
-    except Exception as exc:
-        raise failure(what, exc) from exc
 
 
 @contextlib.contextmanager
 def checked(what: str) -> Iterator[None]:
-    """The same for a block of calls (kernel launches through cupy, for example)."""
+    """:func:`call`'s translation for a block of calls (kernel launches through cupy, for
+    example)."""
     try:
         yield
     except EngineError:
