@@ -33,6 +33,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from commd.testing.processes import await_file
+
 INPUTS, WIDTH, CLASSES = 256, 512, 10
 
 
@@ -250,14 +252,6 @@ def run_torchft(spec: dict[str, Any]) -> None:
         progress.step(step, committed)
     progress.finish(module, discarded=discarded, local_buffer_returned_at=fallbacks)
     manager.shutdown(wait=False)
-
-
-def await_file(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.002)  # polling a file, with a deadline
 
 
 def barrier(directory: Path, rank: int, world_size: int, timeout: float) -> None:

@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tolerant_worker import await_file, digest
+from tolerant_worker import digest
 
+from commd.testing.processes import await_file
 from commd_client import CommdError
 
 from rank_worker import client_for, value

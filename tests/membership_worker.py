@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tolerant_worker import await_file, digest
+from tolerant_worker import digest
+
+from commd.testing.processes import await_file
 
 from rank_worker import client_for, reported, value
 

@@ -23,26 +23,18 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from commd.testing.processes import await_file
 
 from rank_worker import client_for, reported, value
 
 
 def digest(arrays: list[np.ndarray]) -> str:
     return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
-
-
-def await_file(path: Path, timeout: float) -> None:
-    """Until ``path`` exists (a test's gate), at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.005)  # polling a condition, with a deadline
 
 
 def main() -> None:

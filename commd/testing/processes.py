@@ -9,6 +9,7 @@ is not installed.
 - :func:`start_json_worker`: ``command '<json spec>'`` with stdout and stderr piped as text.
 - :func:`run_launchers`: launchers (``mp.spawn`` scripts, torchrun-style ranks) run to their end
   in sessions of their own, their output in files; their process groups killed afterwards.
+- :func:`await_file`: inside a worker, until a file (a test's or a benchmark's gate) exists.
 """
 
 from __future__ import annotations
@@ -225,3 +226,13 @@ def run_launchers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str,
                 os.killpg(process.pid, signal.SIGKILL)
         kill_all(processes)  # reaped already, unless a start failed part way
     return problem
+
+
+def await_file(path: Path, timeout: float) -> None:
+    """Until ``path`` exists, at most ``timeout`` seconds; then SystemExit naming it (the
+    worker's last words, for its parent to read)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.002)  # polling a file, with a deadline
