@@ -11,6 +11,16 @@ from commd.testing.processes import finish, start_json_worker
 WORKER = str(Path(__file__).with_name("gpu_worker.py"))
 
 
+def gpu_present() -> bool:
+    """cupy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:
+        return False
+
+
 def run_job(job: str, daemons: list[Any], ranks_per_node: int, *, dtype: str = "float32",
             op: str = "sum", iterations: int = 20, layers: list[tuple[str, int]] | None = None,
             overrides: dict[int, dict[str, Any]] | None = None,

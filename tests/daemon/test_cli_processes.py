@@ -16,12 +16,7 @@ import pytest
 
 from commd.daemon.settings import OPTIONS
 
-try:
-    import cupy
-
-    HAVE_CUPY = True
-except ImportError:
-    HAVE_CUPY = False
+from gpu_jobs import gpu_present
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -139,15 +134,6 @@ def test_simulate_command_line(profile_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.startswith("commd: ") and "Traceback" not in bad.stderr
-
-
-def gpu_present() -> bool:
-    if not HAVE_CUPY:
-        return False
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:
-        return False
 
 
 def test_commd_run_backend_nccl_exits_at_once(tmp_path: Any) -> None:

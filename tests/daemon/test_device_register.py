@@ -16,6 +16,7 @@ from commd.daemon.server import Daemon
 from commd_protocol import Ready, Register, Registered, encode
 from commd_protocol.codec import client_codec, daemon_codec
 
+from gpu_jobs import gpu_present
 from inprocess import coordinator_of, hello, still_serving
 
 HANDLE = bytes(range(64))
@@ -23,15 +24,6 @@ DEVICE = {"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp"
           "layers": [{"name": "w", "size": 4}], "shm_name": "", "device": "cuda",
           "device_bus_id": "0000:01:00.0", "device_index": 0, "ipc_handle": HANDLE,
           "ipc_offset": 0, "event_handle": HANDLE}
-
-
-def usable_gpu() -> bool:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:
-        return False
 
 
 def test_device_fields_round_trip_and_default() -> None:
@@ -72,7 +64,7 @@ async def test_bad_device_fields_are_named(daemon: Daemon, connect: Any) -> None
 
 
 async def test_a_device_buffer_without_a_usable_gpu(daemon: Daemon, connect: Any) -> None:
-    if usable_gpu():
+    if gpu_present():
         pytest.skip("this machine has a GPU: tests/daemon/test_gpu.py covers it")
     client = connect()
     await client.ask(hello(coordinator=coordinator_of(daemon)))

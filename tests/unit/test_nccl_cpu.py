@@ -20,6 +20,8 @@ from commd.engines.cuda import calls as cuda_calls
 from commd.engines.cuda.watch import StreamWatcher
 from commd.engines.nccl import NcclEngine, device_pointer, exchange_unique_id
 
+from gpu_jobs import gpu_present
+
 try:
     import cupy
     from cupy.cuda import nccl as cupy_nccl
@@ -29,15 +31,6 @@ except ImportError:
     HAVE_CUPY = False
 
 needs_cupy = pytest.mark.skipif(not HAVE_CUPY, reason="cupy is not installed")
-
-
-def gpu_present() -> bool:
-    if not HAVE_CUPY:
-        return False
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:
-        return False
 
 
 @pytest.fixture(autouse=True)
