@@ -35,17 +35,26 @@ def errors_after(processes: list[Any], fault: Any) -> tuple[list[dict[str, Any]]
     return results, time.monotonic() - started
 
 
-def test_a_stopped_daemon_fails_every_rank_naming_it(start_daemon) -> None:
+def one_daemon_stopped(start_daemon: Any, job: str, stopped: int
+                       ) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Two nodes running ``job``; daemon ``stopped`` is SIGSTOPped once every rank has
+    registered, and every rank must error within the target. The nodes, and each rank's
+    result."""
     nodes = [start_daemon(), start_daemon()]
-    processes = start_ranks(endless("stopped", nodes))
+    processes = start_ranks(endless(job, nodes))
     try:
         await_registered(processes)
-        results, took = errors_after(processes, lambda: nodes[1].process.send_signal(
+        results, took = errors_after(processes, lambda: nodes[stopped].process.send_signal(
             signal.SIGSTOP))
     finally:
-        nodes[1].process.send_signal(signal.SIGCONT)
+        nodes[stopped].process.send_signal(signal.SIGCONT)
         kill_all(processes)
     assert took < TARGET_S + SLACK_S, took
+    return nodes, results
+
+
+def test_a_stopped_daemon_fails_every_rank_naming_it(start_daemon) -> None:
+    nodes, results = one_daemon_stopped(start_daemon, "stopped", stopped=1)
     for result in results[:2]:  # node 0: its coordinator names the silent node
         assert result.get("error_type") == "CommdError", result
         assert "node 1 (127.0.0.1, ranks [2, 3]) has sent nothing" in result["error"], result
@@ -55,16 +64,7 @@ def test_a_stopped_daemon_fails_every_rank_naming_it(start_daemon) -> None:
 
 
 def test_a_stopped_coordinator_fails_every_rank_naming_it(start_daemon) -> None:
-    nodes = [start_daemon(), start_daemon()]
-    processes = start_ranks(endless("headless", nodes))
-    try:
-        await_registered(processes)
-        results, took = errors_after(processes, lambda: nodes[0].process.send_signal(
-            signal.SIGSTOP))
-    finally:
-        nodes[0].process.send_signal(signal.SIGCONT)
-        kill_all(processes)
-    assert took < TARGET_S + SLACK_S, took
+    nodes, results = one_daemon_stopped(start_daemon, "headless", stopped=0)
     for result in results[2:]:
         assert f"the coordinator daemon at {nodes[0].address} has sent nothing" in \
             result.get("error", ""), result
