@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_runs import one_error_line
 
 from commd.daemon.settings import OPTIONS
 
@@ -58,12 +59,7 @@ def test_run_help_names_commd_config(run_help: str) -> None:
 
 def test_run_with_a_bad_listen_exits_2_with_one_line() -> None:
     result = cli("run", "--listen", "nonsense", "--socket", "/nonexistent/dir/commd.sock")
-    assert result.returncode == 2
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("commd: listen must be HOST:PORT")
-    assert "Traceback" not in result.stderr
+    assert one_error_line(result, returncode=2).startswith("commd: listen must be HOST:PORT")
 
 
 def test_top_level_help_lists_the_subcommands() -> None:
@@ -84,11 +80,8 @@ def test_run_with_a_bad_metrics_listen_exits_2_with_one_line() -> None:
     for argv, env in [(("--metrics-listen", "nonsense"), {}),
                       ((), {"COMMD_METRICS_LISTEN": "localhost:http"})]:
         result = cli("run", *argv, "--socket", "/nonexistent/dir/commd.sock", env=env)
-        assert result.returncode == 2, result.stderr
-        assert result.stdout == ""
-        lines = result.stderr.splitlines()
-        assert len(lines) == 1, result.stderr
-        assert lines[0].startswith("commd: metrics_listen must be HOST:PORT, got ")
+        assert one_error_line(result, returncode=2).startswith(
+            "commd: metrics_listen must be HOST:PORT, got ")
 
 
 # --- the other subcommands ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from cli_runs import one_error_line
 
 from commd.cli.main import main
 from commd.cli.status import render
@@ -34,18 +35,8 @@ def status_cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[s
     )
 
 
-def assert_one_error_line(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 1
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("commd: ")
-    assert "Traceback" not in result.stderr
-    return lines[0]
-
-
 def test_no_socket_file() -> None:
-    line = assert_one_error_line(status_cli("--socket", "/nonexistent"))
+    line = one_error_line(status_cli("--socket", "/nonexistent"), returncode=1)
     assert line == "commd: no daemon socket at /nonexistent; is `commd run` running?"
 
 
@@ -58,7 +49,7 @@ def test_dead_socket_file_exits_within_the_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
     result = status_cli("--socket", str(path), "--timeout", "0.3", timeout=10)
     elapsed = time.monotonic() - started
-    line = assert_one_error_line(result)
+    line = one_error_line(result, returncode=1)
     assert line == f"commd: no daemon answered on {path} within 0.3s"
     assert elapsed < 0.3 + 4  # the timeout plus the interpreter's start
 
@@ -81,7 +72,7 @@ def test_a_daemon_that_never_answers(router: tuple[str, zmq.Socket[bytes]]) -> N
     started = time.monotonic()
     result = status_cli("--socket", path, "--timeout", "0.3", timeout=10)
     elapsed = time.monotonic() - started
-    line = assert_one_error_line(result)
+    line = one_error_line(result, returncode=1)
     assert line == f"commd: no daemon answered on {path} within 0.3s"
     assert elapsed < 0.3 + 4
     # what it asked was a status request
