@@ -9,6 +9,8 @@ is not installed.
 - :func:`start_json_worker`: ``command '<json spec>'`` with stdout and stderr piped as text.
 - :func:`run_launchers`: launchers (``mp.spawn`` scripts, torchrun-style ranks) run to their end
   in sessions of their own, their output in files; their process groups killed afterwards.
+- :func:`torchrun_env`: one rank's environment as torchrun sets it on 127.0.0.1, with its
+  node's daemon socket.
 - :func:`await_file`: inside a worker, until a file (a test's or a benchmark's gate) exists.
 """
 
@@ -226,6 +228,15 @@ def run_launchers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str,
                 os.killpg(process.pid, signal.SIGKILL)
         kill_all(processes)  # reaped already, unless a start failed part way
     return problem
+
+
+def torchrun_env(base: Mapping[str, str], *, rank: int, world_size: int, local_rank: int,
+                 local_world_size: int, master_port: int, socket: str) -> dict[str, str]:
+    """``base`` with the variables torchrun gives rank ``rank`` (its rendezvous on 127.0.0.1)
+    and ``COMMD_SOCKET``, the daemon of the rank's node."""
+    return {**base, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "COMMD_SOCKET": socket}
 
 
 def await_file(path: Path, timeout: float) -> None:

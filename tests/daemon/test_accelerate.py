@@ -47,7 +47,7 @@ from accelerate.utils import (  # after the skip
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers
+from commd.testing.processes import run_launchers, torchrun_env
 from commd_client.accelerate import Accelerator
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
 
@@ -118,12 +118,9 @@ def run_worker(impl: str, launch: str, daemons: int, nodes: list[LocalDaemon], o
         for rank in range(WORLD_SIZE):
             node, local_rank, local_world = (rank, 0, 1) if daemons == 2 else (0, rank, 2)
             commands.append([sys.executable, *script])
-            envs.append({
-                **base, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
-                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "COMMD_SOCKET": nodes[node].socket,
-            })
+            envs.append(torchrun_env(base, rank=rank, world_size=WORLD_SIZE,
+                                     local_rank=local_rank, local_world_size=local_world,
+                                     master_port=port, socket=nodes[node].socket))
     log_path = out / "run.log"
     log_path.write_bytes(b"")
     problem = run_launchers(commands, envs, [log_path] * len(commands), RUN_TIMEOUT_S)

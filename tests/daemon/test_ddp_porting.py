@@ -58,7 +58,7 @@ import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers
+from commd.testing.processes import run_launchers, torchrun_env
 
 SCRIPTS = Path(__file__).parents[1] / "ddp_scripts"
 RUNNER = SCRIPTS / "run_scenarios.py"
@@ -123,12 +123,9 @@ def run_scenarios(launch: str, impl: str, nodes: list[LocalDaemon], out: Path) -
         for rank in range(WORLD_SIZE):
             node, local_rank, local_world = (0, rank, 2) if rank < 2 else (1, 0, 1)
             commands.append(command)
-            envs.append({
-                **base, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
-                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "COMMD_SOCKET": nodes[node].socket,
-            })
+            envs.append(torchrun_env(base, rank=rank, world_size=WORLD_SIZE,
+                                     local_rank=local_rank, local_world_size=local_world,
+                                     master_port=port, socket=nodes[node].socket))
     logs = [out / f"process{index}.log" for index in range(len(commands))]
     problem = run_launchers(commands, envs, logs, RUN_TIMEOUT_S)
     records: list[dict[str, Any] | None] = []
