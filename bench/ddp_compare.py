@@ -34,7 +34,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import ddp_tasks  # a sibling file: bench/ is sys.path[0] of a script run from i
 
 from commd.compression.topk import parse_compression
 from commd.testing.harness import rank_or_main
+from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
 from commd.testing.results import add_results_option, write_results
 from commd.testing.tables import markdown_table
@@ -321,12 +321,6 @@ def rank_results(processes: Sequence[subprocess.Popen[str]], nodes: Sequence[Nod
                                f"{Path(nodes[rank].socket).parent}):\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return results
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass

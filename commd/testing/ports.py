@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 
 def free_port() -> int:
@@ -11,3 +13,13 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def busy_port() -> Iterator[int]:
+    """A TCP port on 127.0.0.1 that a socket listens on until the block ends (what a daemon
+    started on it must refuse)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        yield int(busy.getsockname()[1])

@@ -31,6 +31,7 @@ from commd.daemon.server import Daemon
 from commd.daemon.settings import Settings
 from commd.job.measurements import CommSample, IterationRecord
 from commd.job.schedule import make_plan
+from commd.testing.ports import busy_port
 from commd.testing.processes import kill_all
 from commd_protocol import __version__
 from commd_protocol.handover import buffer_socket_path
@@ -168,10 +169,7 @@ def test_metrics_off_listens_on_nothing_but_the_peer_port(start_daemon) -> None:
 
 def test_a_busy_metrics_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "d.sock"
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         done = subprocess.run(
             [sys.executable, "-m", "commd.cli", "run", "--backend", "gloo", "--socket", str(path),
              "--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"],

@@ -4,12 +4,12 @@ another daemon on its socket leaves that daemon's socket alone."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from commd.cli.status import query
+from commd.testing.ports import busy_port
 
 
 def commd_run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -19,10 +19,7 @@ def commd_run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_busy_peer_port_fails_the_start_and_removes_the_socket(tmp_path: Path) -> None:
     path = tmp_path / "d.sock"
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         done = commd_run("--socket", str(path), "--listen", f"127.0.0.1:{port}")
     assert done.returncode == 1, done.stderr
     assert f"cannot listen for peers on 127.0.0.1:{port}" in done.stderr
