@@ -115,6 +115,21 @@ def train(nodes: list[LocalDaemon], out: Path, *, ranks_per_node: int = 1,
     return records
 
 
+def assert_survived(records: list[dict[str, Any]], victim: int, world: int) -> list[int]:
+    """The victim died as told; every other of the ``world`` ranks finished every step in a
+    job of the survivors alone, all in the same state. The survivors."""
+    assert records[victim]["returncode"] == VICTIM_EXIT, records[victim]["log"]
+    survivors = [rank for rank in range(world) if rank != victim]
+    for rank in survivors:
+        record = records[rank]
+        assert record["returncode"] == 0, f"rank {rank}: {record.get('error')}\n{record['log']}"
+        assert record["steps"] == STEPS
+        assert record["world_size"] == world - 1
+        assert record["members"] == survivors
+    assert_identical(records, survivors)
+    return survivors
+
+
 def assert_identical(records: list[dict[str, Any]], survivors: list[int]) -> None:
     """The survivors' parameters, buffers and optimizer state agree bit for bit."""
     first = records[survivors[0]]
@@ -157,17 +172,11 @@ def test_survivors_finish_identical(three_nodes: list[LocalDaemon], unbroken: di
                                     tmp_path: Path, victim: int, when: str,
                                     planner: str | None) -> None:
     records = train(three_nodes, tmp_path / "run", planner=planner, victim=victim, when=when)
-    assert records[victim]["returncode"] == VICTIM_EXIT, records[victim]["log"]
-    survivors = [rank for rank in range(3) if rank != victim]
+    survivors = assert_survived(records, victim, world=3)
     for rank in survivors:
-        record = records[rank]
-        assert record["returncode"] == 0, f"rank {rank}: {record.get('error')}\n{record['log']}"
-        assert record["steps"] == STEPS
-        assert record["world_size"] == 2
-        assert record["members"] == survivors
-        assert record["world_sizes"][:KILL_STEP - 1] == [3] * (KILL_STEP - 1)
-        assert record["world_sizes"][KILL_STEP + 1:] == [2] * (STEPS - KILL_STEP - 1)
-    assert_identical(records, survivors)
+        world_sizes = records[rank]["world_sizes"]
+        assert world_sizes[:KILL_STEP - 1] == [3] * (KILL_STEP - 1)
+        assert world_sizes[KILL_STEP + 1:] == [2] * (STEPS - KILL_STEP - 1)
     state = records[survivors[0]]["state"]
     assert any(not torch.equal(value, unbroken["state"][key])
                for key, value in state.items() if value.is_floating_point()), \
@@ -201,13 +210,6 @@ def test_a_lost_local_rank_leaves_its_node_training(tmp_path: Path, victim: int,
     finally:
         for daemon in nodes:
             daemon.stop()
-    assert records[victim]["returncode"] == VICTIM_EXIT, records[victim]["log"]
-    survivors = [rank for rank in range(4) if rank != victim]
+    survivors = assert_survived(records, victim, world=4)
     for rank in survivors:
-        record = records[rank]
-        assert record["returncode"] == 0, f"rank {rank}: {record.get('error')}\n{record['log']}"
-        assert record["steps"] == STEPS
-        assert record["world_size"] == 3
-        assert record["members"] == survivors
-        assert record["world_sizes"][-1] == 3
-    assert_identical(records, survivors)
+        assert records[rank]["world_sizes"][-1] == 3
