@@ -587,13 +587,34 @@ def _hello(job: str, coordinator: str) -> Hello:
                  local_world_size=1, coordinator=coordinator, pid=os.getpid())
 
 
+def measure_from(side: Side, daemon: LocalDaemon) -> float:
+    """Take the daemon's RSS before ``side``'s fuzzing; the start of its wall time."""
+    started = time.monotonic()
+    side.rss_before_mb = rss_mb(daemon.process.pid)
+    return started
+
+
+def measure_to(side: Side, daemon: LocalDaemon, started: float) -> None:
+    """``side``'s wall time since ``started`` and the daemon's RSS after (0 once it died)."""
+    side.wall_s = time.monotonic() - started
+    side.rss_after_mb = rss_mb(daemon.process.pid) if daemon.process.poll() is None else 0.0
+
+
+def report_every_10k(side: Side, count: int, daemon: LocalDaemon,
+                     progress: Callable[[str], None]) -> None:
+    """A progress line each time ``side`` passes a multiple of 10,000 frames (``count`` sent
+    last)."""
+    if side.frames % 10_000 < count:
+        rss = rss_mb(daemon.process.pid)
+        progress(f"{side.name}: {side.frames} frames, {daemon.name} RSS {rss:.1f} MB")
+
+
 def fuzz_ipc(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeout_s: float,
              findings: Findings, context: zmq.Context[zmq.Socket[bytes]],
              progress: Callable[[str], None]) -> Side:
     side = Side("ipc")
     rng = frames.rng
-    started = time.monotonic()
-    side.rss_before_mb = rss_mb(daemon.process.pid)
+    started = measure_from(side, daemon)
     oversize = pack({"type": "status", "pad": "x" * (MAX_MESSAGE_BYTES + 1)})
     number = 0
     while side.frames < total:
@@ -623,9 +644,7 @@ def fuzz_ipc(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeou
                 episode.batch(chunk, side, findings, rng)
                 side.frames += count
                 length -= count
-                if side.frames % 10_000 < count:
-                    rss = rss_mb(daemon.process.pid)
-                    progress(f"ipc: {side.frames} frames, {daemon.name} RSS {rss:.1f} MB")
+                report_every_10k(side, count, daemon, progress)
             episode.close(side, findings)
         except Gone:
             liveness(side, daemon, context, timeout_s, "a status barrier was not answered")
@@ -636,8 +655,7 @@ def fuzz_ipc(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeou
                           "the stack depth were replaced before sending (an xfail test)")
     if daemon.process.poll() is None and not answers_status(daemon.socket, context, timeout_s):
         liveness(side, daemon, context, timeout_s, "status not answered after the fuzzing")
-    side.wall_s = time.monotonic() - started
-    side.rss_after_mb = rss_mb(daemon.process.pid) if daemon.process.poll() is None else 0.0
+    measure_to(side, daemon, started)
     return side
 
 
@@ -688,8 +706,7 @@ def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeo
               progress: Callable[[str], None]) -> Side:
     side = Side("peer")
     rng = frames.rng
-    started = time.monotonic()
-    side.rss_before_mb = rss_mb(daemon.process.pid)
+    started = measure_from(side, daemon)
     barriers = 0
     oversize_sent = 0
     while side.frames < total:
@@ -708,9 +725,7 @@ def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeo
                 peer_barrier(sock, barriers, side, findings, timeout_s, chunk)
                 side.frames += count
                 length -= count
-                if side.frames % 10_000 < count:
-                    rss = rss_mb(daemon.process.pid)
-                    progress(f"peer: {side.frames} frames, {daemon.name} RSS {rss:.1f} MB")
+                report_every_10k(side, count, daemon, progress)
             for job in POOL:  # leave what this connection joined
                 sock.send(pack(builtins(PeerLeave(job=job))))
             barriers += 1
@@ -735,8 +750,7 @@ def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeo
             liveness(side, daemon, context, timeout_s, "the peer loop stopped serving")
         finally:
             sock.close(linger=0)
-    side.wall_s = time.monotonic() - started
-    side.rss_after_mb = rss_mb(daemon.process.pid) if daemon.process.poll() is None else 0.0
+    measure_to(side, daemon, started)
     return side
 
 
@@ -764,8 +778,7 @@ def attack_keyed(daemon: LocalDaemon, public_key: bytes, frames: Frames, total: 
                  progress: Callable[[str], None]) -> Side:
     side = Side("keyed peer")
     rng = frames.rng
-    started = time.monotonic()
-    side.rss_before_mb = rss_mb(daemon.process.pid)
+    started = measure_from(side, daemon)
     refused_before = int(status_of(daemon.socket, context, timeout_s)["peer_handshakes_refused"])
     host, port = daemon.host, daemon.port
     written = dropped = received = 0
@@ -862,8 +875,7 @@ def attack_keyed(daemon: LocalDaemon, public_key: bytes, frames: Frames, total: 
                       f"TCP connections; {refused} handshakes refused by the ZAP check")
     if not answers_status(daemon.socket, context, timeout_s):
         liveness(side, daemon, context, timeout_s, "status not answered after the attack")
-    side.wall_s = time.monotonic() - started
-    side.rss_after_mb = rss_mb(daemon.process.pid) if daemon.process.poll() is None else 0.0
+    measure_to(side, daemon, started)
     return side
 
 
