@@ -584,9 +584,24 @@ TARGET_OVER = 0.05  # issue 14: auto within 5 % of the best (topk:R:auto), of de
 
 
 def _targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines of the target table (none where no rate has a dense row): ``target_rows``
+    rendered in Markdown under the rule it judges by."""
+    cells = target_rows(rows)
+    if not cells:
+        return []
+    return ["", "Auto against dense and against the best of dense and the forced exchanges "
+            "(same run; target: topk:R:auto ÷ best, topk:auto ÷ dense ≤ "
+            f"{1 + TARGET_OVER:.2f}; noise: the widest spread between one baseline mode's "
+            "repeats):", "",
+            *markdown_table(["rate", "compression", "÷ dense", "÷ best", "noise", "target"],
+                            cells, "llrrrl").splitlines()]
+
+
+def target_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     """Each auto row against dense and the better forced exchange of the same run, with the
     verdict of issue 14's target and the noise it is judged against: how far apart one
-    mode's jobs ran (the widest spread of repeat medians among dense and the forced rows)."""
+    mode's jobs ran (the widest spread of repeat medians among dense and the forced rows).
+    One row of cells each: rate, compression, ÷ dense, ÷ best, noise, target."""
     cells: list[list[str]] = []
     for rate in dict.fromkeys(row["rate"] for row in rows):
         at = {row["mode"]: row for row in rows if row["rate"] == rate}
@@ -605,14 +620,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
             against = dense if picks_its_ratio(mode) else best
             cells.append([rate, mode, f"{ms / dense:.2f}", f"{ms / best:.2f}",
                           f"{noise * 100:.0f} %", _verdict(ms / against, noise)])
-    if not cells:
-        return []
-    return ["", "Auto against dense and against the best of dense and the forced exchanges "
-            "(same run; target: topk:R:auto ÷ best, topk:auto ÷ dense ≤ "
-            f"{1 + TARGET_OVER:.2f}; noise: the widest spread between one baseline mode's "
-            "repeats):", "",
-            *markdown_table(["rate", "compression", "÷ dense", "÷ best", "noise", "target"],
-                            cells, "llrrrl").splitlines()]
+    return cells
 
 
 def _spread(repeat_ms: list[float]) -> float:

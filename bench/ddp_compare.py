@@ -471,8 +471,14 @@ def run_variants(link: str, nodes: Sequence[Node], args: argparse.Namespace
 
 
 def variant_table(outcomes: dict[Variant, Outcome]) -> str:
-    """variant, ms/step, against torch DDP and against PowerSGD, final loss, against commd
-    dense, the streams within LOSS_MARGIN of dense's, held-out loss, ranks agree."""
+    """``variant_rows`` in Markdown."""
+    return markdown_table(*variant_rows(outcomes))
+
+
+def variant_rows(outcomes: dict[Variant, Outcome]) -> tuple[list[str], list[list[str]]]:
+    """The header and a row of cells per variant: variant, ms/step, against torch DDP and
+    against PowerSGD, final loss, against commd dense, the streams within LOSS_MARGIN of
+    dense's, held-out loss, ranks agree."""
     def median_ms(variant: Variant) -> float | None:
         outcome = outcomes.get(variant)
         return statistics.median(outcome.means_ms) if outcome and outcome.means_ms else None
@@ -500,7 +506,7 @@ def variant_table(outcomes: dict[Variant, Outcome]) -> str:
     header = ["variant", "ms/step", "× torch DDP", "× PowerSGD", f"final loss (last {LOSS_TAIL})",
               "× commd none", f"streams ≤ +{LOSS_MARGIN:.0%}", "held-out loss", "× commd none",
               "ran at the end", "ranks agree"]
-    return markdown_table(header, rows)
+    return header, rows
 
 
 def compression_tables(args: argparse.Namespace) -> dict[str, dict[Variant, Outcome]]:

@@ -16,21 +16,20 @@ def outcome(ms: list[float], finals: list[float], held: float = 1.0) -> object:
                    ran=["allgather@0.04"] * len(finals))
 
 
-def cells(table: str) -> dict[str, list[str]]:
-    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
-    parsed = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
-    return {row[0]: row[1:] for row in parsed}
+def cells(table: tuple[list[str], list[list[str]]]) -> dict[str, list[str]]:
+    """The rows of ``variant_rows`` by variant."""
+    return {row[0]: row[1:] for row in table[1]}
 
 
 def test_the_step_against_torch_ddp_and_powersgd_and_the_streams_within_five_percent() -> None:
-    table = bench.variant_table({
+    table = bench.variant_rows({
         Variant("torch"): outcome([100.0, 100.0], [1.0, 1.0]),
         Variant("torch", "powersgd"): outcome([50.0, 50.0], [1.03, 1.03]),
         Variant("commd", "none"): outcome([100.0, 100.0], [1.0, 2.0]),
         # stream 0: +4 % (within), stream 1: +6 % (not)
         Variant("commd", "topk:auto"): outcome([40.0, 40.0], [1.04, 2.12]),
     })
-    header = table.splitlines()[0]
+    header = " | ".join(table[0])
     assert "× PowerSGD" in header and "streams ≤ +5%" in header
     row = cells(table)["commd topk:auto"]
     assert row[:3] == ["40.0 (40–40)", "0.40", "0.80"]
@@ -39,7 +38,7 @@ def test_the_step_against_torch_ddp_and_powersgd_and_the_streams_within_five_per
 
 
 def test_without_powersgd_or_with_other_streams_those_cells_are_dashes() -> None:
-    table = bench.variant_table({
+    table = bench.variant_rows({
         Variant("commd", "none"): outcome([100.0, 100.0], [1.0, 1.0]),
         Variant("commd", "topk:0.04"): outcome([40.0], [1.0]),  # one stream of two
         Variant("commd", "topk:auto"): Outcome(),  # failed: no step measured
