@@ -6,7 +6,7 @@ fresh tensor, and the wrapper's hook copies it into the buffer, one pass (under 
 momentum correction the velocity is written from it in that pass). After
 ``zero_grad(set_to_none=False)`` ``.grad`` stays the view: zeroed in one pass, autograd adds
 the gradient into it in a second, and the correction then adds and copies in place: the way
-every step ran before 2026-12-05, when the wrapper re-attached zeroed views at each forward.
+every step ran while the wrapper re-attached zeroed views at each forward.
 
 Both ways run in one job, alternating step by step on both ranks (2 nodes × 1 rank on
 loopback, deep_mlp on the teacher task of bench/ddp_tasks.py, SGD momentum 0.9), so the
