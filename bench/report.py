@@ -146,6 +146,23 @@ def hardening_overhead(data: dict[str, Any]) -> str:
               "(../bench/results/hardening-overhead.json).")
 
 
+def topk(data: dict[str, Any]) -> str:
+    import topk as bench
+
+    return (para(f"Float32, Gaussian data, medians of {data['repeats']} interleaved repeats; "
+                 f"passes = the path's time over one dense memory pass; the loops: "
+                 f"{data['loops']}:") + f"\n\n{bench.table(data)}\n\n{provenance('topk', data)}")
+
+
+def grad_handover(data: dict[str, Any]) -> str:
+    import grad_handover as bench
+
+    return (para(f"{data['warmup']} warm-up and {data['steps']} measured steps alternating the "
+                 "two ways; rank 0's medians and the paired ratio (below 1: the fresh tensor "
+                 "is cheaper):") + f"\n\n{bench.table(data)}\n\n"
+            f"{provenance('grad-handover', data)}")
+
+
 def index(results: Path) -> str:
     """Every results file with the command and commit that wrote it."""
     rows = []
@@ -161,7 +178,8 @@ Renderer = Callable[[dict[str, Any]], str]
 RENDERERS: dict[str, Renderer] = {
     "time-to-loss": time_to_loss, "overhead": overhead, "replay": replay,
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
-    "faults": faults, "hardening-overhead": hardening_overhead,
+    "faults": faults, "hardening-overhead": hardening_overhead, "topk": topk,
+    "grad-handover": grad_handover,
 }
 WITHOUT_RESULTS = ("generated", "index")  # the page's header, the list of results files
 
