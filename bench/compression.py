@@ -546,7 +546,7 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
             "ratio, exchanges (reason)):",
         ]
     for row in auto:
-        lines.append(f"- {row['rate']} {row['mode']}: {_history(row['history'])}")
+        lines.append(f"- {row['rate']} {row['mode']}:{_history(row['history'])}")
     if auto:
         lines += ["", "Exchange selection at the end of the auto jobs (node 0's status; ms per "
                   "iteration, predicted by the cost model / measured step):"]
@@ -567,7 +567,7 @@ def render(rows: list[dict[str, Any]], lives: list[dict[str, Any]], meta: dict[s
                   *_network(phase["final"], phase["prediction"])]
                  for phase in live["phases"]], "lrrrl" + "r" * 6),
         ]
-        lines += ["", f"- plan changes: {_history(live['history'])}"]
+        lines += ["", f"- plan changes:{_history(live['history'])}"]
     return "\n".join(lines)
 
 
@@ -637,16 +637,14 @@ def _verdict(ratio: float, noise: float) -> str:
 
 
 def _history(history: list[dict[str, Any]]) -> str:
-    return (
-        "; ".join(
-            f"it {h['iteration']}: v{h['plan_version']} r={h['ratio'] or 0:.3g} "
-            + ",".join(f"{n} {k}" for k, n in (h["exchange_counts"] or {}).items())
-            + (f" @{h['rate']}" if "rate" in h else "")
-            + f" ({h['plan_reason']})"
-            for h in history
-        )
-        or "-"
-    )
+    """One nested list item per plan change (a job's changes on one line would run long)."""
+    return "".join(
+        f"\n  - it {h['iteration']}: v{h['plan_version']} r={h['ratio'] or 0:.3g} "
+        + ",".join(f"{n} {k}" for k, n in (h["exchange_counts"] or {}).items())
+        + (f" @{h['rate']}" if "rate" in h else "")
+        + f" ({h['plan_reason']})"
+        for h in history
+    ) or " -"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,6 +154,13 @@ def topk(data: dict[str, Any]) -> str:
                  f"{data['loops']}:") + f"\n\n{bench.table(data)}\n\n{provenance('topk', data)}")
 
 
+def compression(data: dict[str, Any]) -> str:
+    import compression as bench
+
+    return (f"{bench.render(data['rows'], data['live'], data['meta'])}\n\n"
+            f"{provenance('compression', data)}")
+
+
 def grad_handover(data: dict[str, Any]) -> str:
     import grad_handover as bench
 
@@ -179,7 +186,7 @@ RENDERERS: dict[str, Renderer] = {
     "time-to-loss": time_to_loss, "overhead": overhead, "replay": replay,
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
     "faults": faults, "hardening-overhead": hardening_overhead, "topk": topk,
-    "grad-handover": grad_handover,
+    "grad-handover": grad_handover, "compression": compression,
 }
 WITHOUT_RESULTS = ("generated", "index")  # the page's header, the list of results files
 
