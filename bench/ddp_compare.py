@@ -576,6 +576,20 @@ def links_json(links: dict[str, dict[Variant, Outcome]]) -> dict[str, Any]:
             for link, outcomes in links.items()}
 
 
+def links_from_json(data: dict[str, Any]) -> dict[str, dict[Variant, Outcome]]:
+    """The outcomes ``links_json`` wrote, read back (for bench/report.py)."""
+    def variant(label: str) -> Variant:
+        if label.startswith("torch DDP"):
+            return Variant("torch", "powersgd" if label.endswith("PowerSGD") else "none")
+        return Variant("commd", label.removeprefix("commd "))
+
+    return {link: {variant(label): Outcome(
+                means_ms=o["means_ms"], curves=o["losses"], step_ms=o["step_ms"],
+                held_out=o["held_out"], ran=o["ran"], agree=o["agree"], errors=o["errors"])
+                   for label, o in outcomes.items()}
+            for link, outcomes in data.items()}
+
+
 def save_json(path: str, links: dict[str, dict[Variant, Outcome]], command: str) -> None:
     data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "links": links_json(links)}

@@ -161,6 +161,16 @@ def compression(data: dict[str, Any]) -> str:
             f"{provenance('compression', data)}")
 
 
+def ddp_compare_compression(data: dict[str, Any]) -> str:
+    import ddp_compare as bench
+
+    parts = []
+    for link, outcomes in bench.links_from_json(data["links"]).items():
+        rate = link.removeprefix("tbf ")
+        parts += [f"**{RATES.get(rate, rate)}**:", "", bench.variant_table(outcomes), ""]
+    return "\n".join(parts) + "\n" + provenance("ddp-compare-compression", data)
+
+
 def grad_handover(data: dict[str, Any]) -> str:
     import grad_handover as bench
 
@@ -187,6 +197,7 @@ RENDERERS: dict[str, Renderer] = {
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
     "faults": faults, "hardening-overhead": hardening_overhead, "topk": topk,
     "grad-handover": grad_handover, "compression": compression,
+    "ddp-compare-compression": ddp_compare_compression,
 }
 WITHOUT_RESULTS = ("generated", "index")  # the page's header, the list of results files
 

@@ -47,3 +47,14 @@ def test_without_powersgd_or_with_other_streams_those_cells_are_dashes() -> None
     assert rows["commd topk:0.04"][2] == "-" and rows["commd topk:0.04"][5] == "-"
     assert rows["commd topk:auto"][0] == "failed"
     assert len({len(row) for row in rows.values()}) == 1  # every row has every column
+
+
+def test_the_results_file_reads_back_as_the_same_table() -> None:
+    links = {"1gbit": {
+        Variant("torch"): outcome([100.0, 90.0], [1.0, 1.1]),
+        Variant("torch", "powersgd"): outcome([50.0, 55.0], [1.03, 1.2]),
+        Variant("commd", "topk:auto:momentum=0.9"): outcome([40.0, 41.0], [1.04, 1.1]),
+    }}
+    back = bench.links_from_json(bench.links_json(links))
+    assert list(back["1gbit"]) == list(links["1gbit"])
+    assert bench.variant_rows(back["1gbit"]) == bench.variant_rows(links["1gbit"])
