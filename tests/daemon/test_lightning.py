@@ -76,6 +76,10 @@ pytestmark = pytest.mark.timeout(int(4 * RUN_TIMEOUT_S) + 60)
 Records = dict[tuple[str, str], list[dict[str, Any]]]
 
 
+# what a C++ std::thread left joinable prints when torch's Gloo group is torn down at exit
+STOCK_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def run_worker(launch: str, strategy: str, phases: str, nodes: list[LocalDaemon],
                out: Path, ranks: int = WORLD_SIZE) -> list[dict[str, Any]]:
     """One run of the worker; each rank's record (a failed run fails the test here)."""
@@ -96,6 +100,11 @@ def run_worker(launch: str, strategy: str, phases: str, nodes: list[LocalDaemon]
     log = out / "run.log"
     problem = run_launchers(commands, envs, [log] * len(commands), RUN_TIMEOUT_S)
     text = log.read_text(errors="replace")[-6000:]
+    if problem and not strategy.startswith("commd") and STOCK_TEARDOWN_ABORT in text:
+        # The stock baseline's spawned rank can abort in Gloo's teardown after training
+        # (torch's own crash, not commd's): run the baseline once more rather than fail.
+        problem = run_launchers(commands, envs, [log] * len(commands), RUN_TIMEOUT_S)
+        text = log.read_text(errors="replace")[-6000:]
     assert not problem, f"{launch}/{strategy}: {problem}\n{text}"
     records = []
     for rank in range(ranks):
