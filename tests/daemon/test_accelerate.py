@@ -47,7 +47,7 @@ from accelerate.utils import (  # after the skip
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers, torchrun_env
+from commd.testing.processes import run_launchers, run_stock_launchers, torchrun_env
 from commd_client.accelerate import Accelerator
 from commd_protocol import CommdError, CommdTypeError, CommdValueError
 
@@ -123,7 +123,8 @@ def run_worker(impl: str, launch: str, daemons: int, nodes: list[LocalDaemon], o
                                      master_port=port, socket=nodes[node].socket))
     log_path = out / "run.log"
     log_path.write_bytes(b"")
-    problem = run_launchers(commands, envs, [log_path] * len(commands), RUN_TIMEOUT_S)
+    launch_all = run_launchers if impl == "commd" else run_stock_launchers
+    problem = launch_all(commands, envs, [log_path] * len(commands), RUN_TIMEOUT_S)
     ranks = 1 if launch == "single" else WORLD_SIZE
     records = [torch.load(path) if (path := out / f"rank{rank}.pt").exists() else None
                for rank in range(ranks)]

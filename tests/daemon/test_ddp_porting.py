@@ -58,7 +58,7 @@ import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers, torchrun_env
+from commd.testing.processes import run_launchers, run_stock_launchers, torchrun_env
 
 SCRIPTS = Path(__file__).parents[1] / "ddp_scripts"
 RUNNER = SCRIPTS / "run_scenarios.py"
@@ -127,7 +127,8 @@ def run_scenarios(launch: str, impl: str, nodes: list[LocalDaemon], out: Path) -
                                      local_rank=local_rank, local_world_size=local_world,
                                      master_port=port, socket=nodes[node].socket))
     logs = [out / f"process{index}.log" for index in range(len(commands))]
-    problem = run_launchers(commands, envs, logs, RUN_TIMEOUT_S)
+    launch_all = run_launchers if impl == "commd" else run_stock_launchers
+    problem = launch_all(commands, envs, logs, RUN_TIMEOUT_S)
     records: list[dict[str, Any] | None] = []
     for rank in range(WORLD_SIZE):
         path = out / f"rank{rank}.pt"

@@ -32,7 +32,7 @@ import torch
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers, torchrun_env
+from commd.testing.processes import run_launchers, run_stock_launchers, torchrun_env
 
 SCRIPT = Path(__file__).parents[1] / "ddp_twice_worker.py"
 WORLD_SIZE = 2
@@ -83,7 +83,8 @@ def run_script(launch: str, daemons: int, impl: str, nodes: list[LocalDaemon], o
     log_path = out / "run.log"
     log_path.write_bytes(b"")
     started = time.monotonic()
-    problem = run_launchers(commands, envs, [log_path] * len(commands), RUN_TIMEOUT_S)
+    launch_all = run_launchers if impl == "commd" else run_stock_launchers
+    problem = launch_all(commands, envs, [log_path] * len(commands), RUN_TIMEOUT_S)
     seconds = time.monotonic() - started
     records = [torch.load(path) if (path := out / f"rank{rank}.pt").exists() else None
                for rank in range(WORLD_SIZE)]

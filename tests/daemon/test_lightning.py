@@ -57,7 +57,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from commd.testing.daemons import LocalDaemon, commd_segments, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers
+from commd.testing.processes import run_launchers, run_stock_launchers
 from commd_client import CommdError
 
 SCRIPT = Path(__file__).parents[1] / "lightning_worker.py"
@@ -74,10 +74,6 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 pytestmark = pytest.mark.timeout(int(4 * RUN_TIMEOUT_S) + 60)
 
 Records = dict[tuple[str, str], list[dict[str, Any]]]
-
-
-# what a C++ std::thread left joinable prints when torch's Gloo group is torn down at exit
-STOCK_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run_worker(launch: str, strategy: str, phases: str, nodes: list[LocalDaemon],
@@ -98,13 +94,9 @@ def run_worker(launch: str, strategy: str, phases: str, nodes: list[LocalDaemon]
                  "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"lightning-{port}",
                  "COMMD_SOCKET": nodes[rank].socket} for rank in range(WORLD_SIZE)]
     log = out / "run.log"
-    problem = run_launchers(commands, envs, [log] * len(commands), RUN_TIMEOUT_S)
+    launch_all = run_launchers if strategy.startswith("commd") else run_stock_launchers
+    problem = launch_all(commands, envs, [log] * len(commands), RUN_TIMEOUT_S)
     text = log.read_text(errors="replace")[-6000:]
-    if problem and not strategy.startswith("commd") and STOCK_TEARDOWN_ABORT in text:
-        # The stock baseline's spawned rank can abort in Gloo's teardown after training
-        # (torch's own crash, not commd's): run the baseline once more rather than fail.
-        problem = run_launchers(commands, envs, [log] * len(commands), RUN_TIMEOUT_S)
-        text = log.read_text(errors="replace")[-6000:]
     assert not problem, f"{launch}/{strategy}: {problem}\n{text}"
     records = []
     for rank in range(ranks):

@@ -10,14 +10,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from commd.testing.processes import (
+    TEARDOWN_ABORT,
     FinishTimeout,
     finish,
     kill_all,
+    run_launchers,
+    run_stock_launchers,
     start_json_worker,
     stop_process,
 )
@@ -233,3 +237,23 @@ def test_start_json_worker_passes_the_spec_and_the_environment() -> None:
     assert done.last_json() == {"spec": {"rank": 1, "layers": [["w", 4]]}, "env": "42",
                                 "path": True}
     assert done.stderr == ""  # piped, and empty
+
+
+def test_a_stock_baseline_that_aborts_in_teardown_runs_once_more_and_a_commd_run_does_not(
+        tmp_path: Path) -> None:
+    # first run: the teardown abort's words and a failing exit; the second run succeeds
+    script = (f"import pathlib, sys\nmark = pathlib.Path({str(tmp_path / 'ran')!r})\n"
+              f"if mark.exists(): sys.exit(0)\nmark.touch()\nprint({TEARDOWN_ABORT!r})\n"
+              "sys.exit(1)\n")
+    command, log = [sys.executable, "-c", script], tmp_path / "run.log"
+    assert run_stock_launchers([command], [dict(os.environ)], [log], 60) == ""
+    (tmp_path / "ran").unlink()
+    assert "exited with 1" in run_launchers([command], [dict(os.environ)], [log], 60)
+
+
+def test_a_stock_baseline_that_fails_otherwise_is_not_run_again(tmp_path: Path) -> None:
+    script = (f"import pathlib, sys\nmark = pathlib.Path({str(tmp_path / 'ran')!r})\n"
+              "sys.exit(0 if mark.exists() else (mark.touch() or 1))\n")
+    command = [sys.executable, "-c", script]
+    assert "exited with 1" in run_stock_launchers([command], [dict(os.environ)],
+                                                  [tmp_path / "run.log"], 60)
