@@ -65,17 +65,19 @@ def client_for(spec: dict[str, Any], **options: Any) -> Client:
 
 @contextmanager
 def reported(out: dict[str, Any]) -> Iterator[None]:
-    """Print ``out`` as the last JSON line, with the error and its code where a CommdError
-    ended the body (any other exception propagates, printing nothing)."""
+    """Print ``out`` as the last JSON line, with the error where a CommdError ended the body
+    (the first one recorded stays: one raised on closing does not replace it; any other
+    exception propagates, printing nothing)."""
     try:
         yield
     except CommdError as exc:
-        out["error"] = str(exc)
-        out["code"] = str(exc.code)
+        if "error" not in out:
+            record_error(out, exc)
     print(json.dumps(out), flush=True)
 
 
-def record_error(out: dict[str, object], exc: CommdError) -> None:
+def record_error(out: dict[str, Any], exc: CommdError) -> None:
+    """The error's message, type and code in ``out``."""
     out["error"] = str(exc)
     out["error_type"] = type(exc).__name__
     out["code"] = str(exc.code)
@@ -135,19 +137,14 @@ def train(client: Client, spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    out: dict[str, object] = {"rank": spec["rank"], "iterations": [], "plans": [],
-                              "dense": []}
-    try:
-        with client_for(spec) as client:
-            try:
-                train(client, spec, out)
-            except CommdError as exc:
-                record_error(out, exc)
-                hold_until_the_others_failed(spec)
-    except CommdError as exc:  # before the job formed (nothing to hold), or on closing
-        if "error" not in out:
+    out: dict[str, Any] = {"rank": spec["rank"], "iterations": [], "plans": [], "dense": []}
+    # an error before the job formed (nothing to hold) or on closing is reported's to record
+    with reported(out), client_for(spec) as client:
+        try:
+            train(client, spec, out)
+        except CommdError as exc:
             record_error(out, exc)
-    print(json.dumps(out), flush=True)
+            hold_until_the_others_failed(spec)
 
 
 if __name__ == "__main__":
