@@ -75,7 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -490,26 +490,32 @@ def run_torchft(run: Run) -> dict[str, Any]:
 RUNNERS = {"commd": run_commd, "torch": run_torch, "torchft": run_torchft}
 
 
-@contextlib.contextmanager
-def run_directory(keep: bool) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="commd-elastic-"))
-    try:
-        yield path
-    finally:
-        if keep:
-            print(f"  logs kept in {path}")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def run_one(system: str, fault: str, args: argparse.Namespace) -> dict[str, Any]:
-    with run_directory(args.keep_logs) as workdir:
+    failed = False
+    workdir = Path(tempfile.mkdtemp(prefix="commd-elastic-"))
+    try:
         run = Run(system, fault, args, workdir)
         try:
             return RUNNERS[system](run)
         except (RuntimeError, FinishTimeout, OSError, ValueError) as exc:
-            args.keep_logs = True  # the error's logs are worth a look
+            failed = True
+            print_log_tails(workdir)  # where a run fails on a CI machine, its logs are all
             return {"error": str(exc)[-4000:]}
+    finally:
+        if args.keep_logs or failed:  # a failed run's logs are worth a look
+            print(f"  logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def print_log_tails(workdir: Path, lines: int = 40) -> None:
+    """The last ``lines`` lines of each daemon's and rank's log in ``workdir``: a run that
+    failed on a machine nobody can look at afterwards leaves its story in the output."""
+    for path in sorted(workdir.glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {path.name} (last {len(tail)} lines) ---")
+        for line in tail:
+            print(f"  {line[:400]}")
 
 
 # --- summary, table, command line -----------------------------------------------------------------

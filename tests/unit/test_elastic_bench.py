@@ -5,6 +5,7 @@ tests/system/test_elastic_bench_run.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,41 @@ def test_the_daemons_first_lines_are_found_in_wall_time() -> None:
 
 
 # --- the committed result -------------------------------------------------------------------------
+
+def test_a_failed_run_prints_its_logs_tails_and_keeps_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that fails on a CI machine leaves nothing to look at afterwards but its output:
+    the daemons' and ranks' last lines are printed, and the directory is kept locally."""
+    def failing(run: Any) -> dict[str, Any]:
+        (run.workdir / "d2.log").write_text("".join(f"line {n}\n" for n in range(100)))
+        raise RuntimeError("survivor pid 1 exited 1")
+
+    monkeypatch.setitem(bench.RUNNERS, "commd", failing)
+    args = bench.parser().parse_args(["--systems", "commd", "--faults", "rank"])
+    outcome = bench.run_one("commd", "rank", args)
+    out = capsys.readouterr().out
+    assert outcome == {"error": "survivor pid 1 exited 1"}
+    assert "--- d2.log (last 40 lines) ---" in out and "line 99" in out and "line 59" not in out
+    kept = Path(out.split("logs kept in ")[1].split()[0])
+    try:
+        assert (kept / "d2.log").exists()
+    finally:
+        shutil.rmtree(kept)
+
+
+def test_a_run_that_succeeds_leaves_no_directory(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[Path] = []
+
+    def succeeding(run: Any) -> dict[str, Any]:
+        seen.append(run.workdir)
+        return {"steps_lost": 0}
+
+    monkeypatch.setitem(bench.RUNNERS, "commd", succeeding)
+    args = bench.parser().parse_args(["--systems", "commd", "--faults", "rank"])
+    assert bench.run_one("commd", "rank", args) == {"steps_lost": 0}
+    assert not seen[0].exists() and "logs kept" not in capsys.readouterr().out
+
 
 def test_the_committed_result() -> None:
     result = json.loads(COMMITTED.read_text())
