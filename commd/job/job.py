@@ -209,7 +209,11 @@ class Job:
             # while its engine still forms: they wait for its pipeline.
             self.plans_waiting = [*self.plans_waiting[-7:], decision]
             return
-        if self.pipeline is None or self.state not in (JobState.STARTING, JobState.RUNNING):
+        # A decision made while a membership change runs is kept too: it is the only copy
+        # this node gets (the coordinator sends each once), and an iteration after the
+        # resume may wait for it (this node reported its round).
+        if self.pipeline is None or self.state not in (JobState.STARTING, JobState.RUNNING,
+                                                       JobState.REFORMING):
             return
         self.liveness.heard_at = time.monotonic()
         problem = validation.plan_problem(decision, len(self.pipeline.sizes))

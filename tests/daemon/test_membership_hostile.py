@@ -22,6 +22,7 @@ from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
+    PeerPlan,
     PeerReform,
     PeerResume,
     ProtocolViolation,
@@ -114,6 +115,27 @@ async def test_a_resume_that_fits_runs_the_job_in_the_new_epoch(
     status = next(j for j in daemon.status().jobs if j.job == job)
     assert (status.epoch, status.members) == (1, [0])
     assert status.membership_changes == [f"epoch 1: {'x' * MAX_CHANGE_CHARS}"]  # cut to size
+
+
+async def test_a_plan_decided_while_the_change_runs_is_kept_for_after_the_resume(
+        daemon: Daemon, tolerant_job: tuple[RawClient, str]) -> None:
+    """A node reported a round and awaits its decision; the coordinator decides it while a
+    change stops the node (a replacement joins as the round closes). It sends that decision
+    once: dropped while reforming, the iteration after the resume waited for it forever."""
+    _, job = tolerant_job
+    pipeline = daemon.jobs[job].pipeline
+    assert pipeline is not None
+    pipeline.expect_decision(2)  # the node reported round 0 of iterations 0..
+    assert pipeline.upcoming_plan(2) is None  # undecided: iteration 2 would wait
+    send_to_node(daemon, PeerPlan(job=job, round=1, effective_iteration=2, version=7,
+                                  groups=[[0]], alpha_s=1e-4, beta_s_per_byte=1e-9,
+                                  predicted_comm_s=1e-3, reason="decided during the change"))
+    send_to_node(daemon, resume())
+    await until(lambda: daemon.jobs[job].state is JobState.RUNNING)
+    plan = pipeline.upcoming_plan(2)
+    assert plan is not None and plan.version == 7
+    assert daemon.jobs[job].last_plan is not None
+    assert daemon.jobs[job].last_plan.reason == "decided during the change"
 
 
 async def test_a_resume_or_reform_out_of_turn_is_ignored(
