@@ -310,9 +310,11 @@ class Daemon:
         elif isinstance(message, PeerReform):
             job.on_reform(message)
         elif isinstance(message, PeerResume):
-            task = asyncio.get_running_loop().create_task(job.on_resume(message))
-            self._tasks.append(task)
-            task.add_done_callback(self._forget_task)
+            entering = job.on_resume(message)  # checked here, in wire order
+            if entering is not None:
+                task = asyncio.get_running_loop().create_task(entering)
+                self._tasks.append(task)
+                task.add_done_callback(self._forget_task)
         elif isinstance(message, PeerStatus):
             liveness.on_status(job, message, time.monotonic())
         elif isinstance(message, PeerAbort):

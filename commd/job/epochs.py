@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 import msgspec
 
@@ -166,13 +167,24 @@ def resume_problem(job: Tolerant, message: PeerResume) -> str:
     return roster_problem(message.roster, message.nodes, job.world_size)
 
 
-async def on_resume(job: JoiningJob, message: PeerResume) -> None:
-    """Join the new epoch's group and go on from the coordinator's iteration."""
+def on_resume(job: JoiningJob, message: PeerResume) -> Coroutine[Any, Any, None] | None:
+    """Check a resume where it stands on the wire, then hand back what joins the new epoch
+    (its engine forms asynchronously, so it runs as a task); None when there is nothing to
+    run. The check cannot wait for the task: the coordinator may fold this change into a
+    later one at once, and that later reform, handled as it arrives, would make this
+    resume look out of turn and fail the job."""
     problem = resume_problem(job, message)
     if problem:
         if job.state in (JobState.REFORMING, JobState.JOINING):
             job.fail(ErrorCode.INVALID, f"the coordinator sent a bad resume: {problem}")
-        return
+        return None
+    return _enter_epoch(job, message)
+
+
+async def _enter_epoch(job: JoiningJob, message: PeerResume) -> None:
+    """Join the new epoch's group and go on from the coordinator's iteration."""
+    if resume_problem(job, message):
+        return  # a later change began before this task ran: its own resume follows
     if job.state is JobState.JOINING:
         await _join_running(job, message)
         return

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 
@@ -319,9 +321,10 @@ class Job:
         if self.epochs_enabled:
             epochs.on_reform(self, message)
 
-    async def on_resume(self, message: PeerResume) -> None:
-        if self.epochs_enabled:
-            await epochs.on_resume(self, message)
+    def on_resume(self, message: PeerResume) -> Coroutine[Any, Any, None] | None:
+        """Checked now, in the order the coordinator sent it; what joins the new epoch is
+        handed back to run as a task (None: nothing to run)."""
+        return epochs.on_resume(self, message) if self.epochs_enabled else None
 
     def trace(self, recorder: TraceRecorder) -> None:  # a TraceRequest; JobError unless running
         recorder.arm(self._running("trace"), self.members.first_registration(), self.setup)

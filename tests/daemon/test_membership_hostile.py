@@ -138,6 +138,23 @@ async def test_a_plan_decided_while_the_change_runs_is_kept_for_after_the_resume
     assert daemon.jobs[job].last_plan.reason == "decided during the change"
 
 
+async def test_a_change_folded_into_a_later_one_at_once_resumes_in_the_later_epoch(
+        daemon: Daemon, tolerant_job: tuple[RawClient, str], connect: Any) -> None:
+    """The coordinator resumes epoch 1 and at once starts epoch 2 (the next node left as the
+    first change ended): resume 1, reform 2 and resume 2 arrive back to back. Resume 1 was
+    checked only once its task ran, after reform 2 was handled, and failed the job as out
+    of turn; checked in wire order it fits, and the job runs in epoch 2."""
+    client, job = tolerant_job
+    send_to_node(daemon, resume())
+    send_to_node(daemon, PeerReform(job=job, epoch=2, change="node y (ranks [8]) lost"))
+    send_to_node(daemon, resume(epoch=2, change="node y (ranks [8]) lost"))
+    await until(lambda: daemon.jobs[job].epochs.epoch == 2
+                or daemon.jobs[job].state is JobState.FAILED)
+    await still_serving(connect())
+    assert daemon.jobs[job].state is JobState.RUNNING, daemon.jobs[job].error
+    assert await client.socket.poll(0) == 0  # no error reached the rank
+
+
 async def test_a_resume_or_reform_out_of_turn_is_ignored(
         daemon: Daemon, tolerant_job: tuple[RawClient, str], connect: Any) -> None:
     """Once resumed, a repeated resume, an old reform and a resume for a running job change
