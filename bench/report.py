@@ -171,6 +171,26 @@ def ddp_compare_compression(data: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n" + provenance("ddp-compare-compression", data)
 
 
+def ddp_compare(data: dict[str, Any]) -> str:
+    import ddp_compare as bench
+
+    return (para("Medians of the alternating repeats; commd/torch below 1: commd's step is the "
+                 "shorter. \"ranks agree\": both ranks end with the same parameters, as DDP "
+                 "must.") + f"\n\n{bench.timing_table(data)}\n\n"
+            f"{provenance('ddp-compare', data)}")
+
+
+def topk_offline(data: dict[str, Any]) -> str:
+    import topk_offline as bench
+
+    warm_up = f" (the first {data['dense_steps']} dense)" if data["dense_steps"] else ""
+    return (para(f"{data['steps']} steps on each of {data['streams']} data streams{warm_up}; "
+                 f"the final loss is the mean of the last 10 steps, averaged over the streams; "
+                 f"dense training ends at "
+                 f"{data['dense_final_loss']:.3f}:") + f"\n\n{bench.table(data)}\n\n"
+            f"{provenance('topk-offline', data)}")
+
+
 def grad_handover(data: dict[str, Any]) -> str:
     import grad_handover as bench
 
@@ -197,7 +217,8 @@ RENDERERS: dict[str, Renderer] = {
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
     "faults": faults, "hardening-overhead": hardening_overhead, "topk": topk,
     "grad-handover": grad_handover, "compression": compression,
-    "ddp-compare-compression": ddp_compare_compression,
+    "ddp-compare": ddp_compare, "ddp-compare-compression": ddp_compare_compression,
+    "topk-offline": topk_offline,
 }
 WITHOUT_RESULTS = ("generated", "index")  # the page's header, the list of results files
 

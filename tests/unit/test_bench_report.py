@@ -61,6 +61,27 @@ def test_the_results_the_report_tabulates_have_their_fields() -> None:
         assert min(p["ratio_to_optimal"] for p in row["planners"].values()) >= 1 - 1e-9
 
 
+def test_every_section_of_the_page_has_its_results_file() -> None:
+    """A section whose file is missing renders as "No results yet": the committed page has
+    none, so every bench the page shows has run and its numbers are data."""
+    markers = re.findall(r"^\{\{([a-z0-9-]+)\}\}$", report.TEMPLATE.read_text(), re.M)
+    sections = [name for name in markers if name not in report.WITHOUT_RESULTS]
+    assert "ddp-compare" in sections and "topk-offline" in sections
+    assert [name for name in sections if not (RESULTS / f"{name}.json").exists()] == []
+    assert "No results yet" not in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_the_offline_top_k_results_hold_what_the_docs_say() -> None:
+    """design/compression.md's reading of them: momentum correction beats error feedback at
+    every ratio, and both get closer to dense as the ratio grows."""
+    data = read_results(RESULTS / "topk-offline.json")
+    loss = {(row["variant"], row["ratio"]): row["final_loss"] for row in data["rows"]}
+    ratios = sorted({ratio for _, ratio in loss})
+    assert all(loss["mc", ratio] < loss["ef", ratio] for ratio in ratios)
+    assert loss["ef", ratios[0]] > loss["ef", ratios[-1]] > data["dense_final_loss"]
+    assert loss["mc", ratios[-1]] > data["dense_final_loss"]
+
+
 def test_a_changed_number_changes_the_page(tmp_path: Path) -> None:
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
