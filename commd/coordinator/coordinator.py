@@ -229,8 +229,10 @@ class Coordinator(TolerantCoordination):
     def _decide_if_whole(self, formation: Formation, round_number: int) -> None:
         """Once every node of the job has reported ``round_number``, decide its plan."""
         round_reports = formation.reports[round_number]
-        reporting = [node for node in formation.joins  # a joiner reports from its first round
-                     if formation.first_round.get(node, 0) <= round_number]
+        # A joiner reports from its first round on, which its resume fixes; until then it
+        # runs nothing and reports nothing, so a round closing while it joins is not its.
+        reporting = [node for node in formation.joins if node not in formation.joining
+                     and formation.first_round.get(node, 0) <= round_number]
         if any(node not in round_reports for node in reporting) or formation.replanner is None:
             return
         del formation.reports[round_number]

@@ -16,6 +16,7 @@ from commd_protocol import (
     PeerFault,
     PeerJoin,
     PeerPlan,
+    PeerProfile,
     PeerReform,
     PeerReformState,
     PeerResume,
@@ -180,6 +181,28 @@ def test_the_joiner_gets_the_plans_in_force_and_the_decisions_awaited() -> None:
     assert isinstance(to_d[0], PeerResume) and to_d[0].expect == [12]
     assert to_d[1:] == [plan]
     assert all(not m.expect for node, m in sent if node != D and isinstance(m, PeerResume))
+
+
+def test_a_round_closing_while_a_node_joins_is_decided_without_it() -> None:
+    """A reported round 1, D asked to join, then B's report of round 1 came in during the
+    change. D runs nothing until its resume and reports from round 2 on: counting it held
+    round 1 open for ever, and every node waited at iteration 12 for its decision."""
+    coordinator, recorder = resumed_without_c()
+    coordinator.on_message(A, PeerProfile(job=JOB, round=1, iteration=9))
+    coordinator.on_message(D, join(2))
+    assert [type(m) for _, m in recorder.take()] == [PeerReform] * 3
+    coordinator.on_message(B, PeerProfile(job=JOB, round=1, iteration=9))
+    decided = recorder.take()
+    assert [(node, type(m)) for node, m in decided] == [(A, PeerPlan), (B, PeerPlan)]
+    plan = decided[0][1]
+    assert isinstance(plan, PeerPlan) and plan.effective_iteration == 12
+    for node in (A, B):
+        coordinator.on_message(node, state(10, epoch=2))
+    coordinator.on_message(D, PeerReformState(job=JOB, epoch=2, delivered=0, joining=True))
+    to_d = [m for node, m in recorder.take() if node == D]
+    assert isinstance(to_d[0], PeerResume) and to_d[0].iteration == 10
+    assert to_d[0].expect == [] and to_d[1:] == [plan]  # the decision itself, nothing awaited
+    assert coordinator._jobs[JOB].reports == {}
 
 
 def test_a_job_without_fault_tolerance_refuses_every_join_once_formed() -> None:
