@@ -26,6 +26,11 @@ def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
     return (rank + 1) * (iteration + 1) + layer + (np.arange(size) * (rank + 1) % 5)
 
 
+def numel(size: int | list[int]) -> int:
+    """A layer's elements, given as a size or (JSON) as its shape."""
+    return int(np.prod(size)) if isinstance(size, list) else size
+
+
 def to_float(array: np.ndarray, dtype: str) -> list[float]:
     if dtype == "bfloat16":  # raw words → float32
         return ((array.astype(np.uint32) << 16).view(np.float32)).tolist()
@@ -100,7 +105,10 @@ def hold_until_the_others_failed(spec: dict[str, Any]) -> None:
 
 def train(client: Client, spec: dict[str, Any], out: dict[str, Any]) -> None:
     sleeps = spec.get("backward_sleep_s")  # replay a profile: sleep before each layer's ready
-    layers = [(name, size) for name, size in spec["layers"]]
+    # a layer is (name, size) or (name, shape): a JSON list, registered as a tuple
+    layers = [(name, tuple(size) if isinstance(size, list) else size)
+              for name, size in spec["layers"]]
+    sizes = [numel(size) for _, size in spec["layers"]]
     grads = client.register(
         layers, dtype=spec["dtype"], op=spec["op"], planner=spec.get("planner", "wfbp"),
         compression=spec.get("compression", "none"),
@@ -111,7 +119,7 @@ def train(client: Client, spec: dict[str, Any], out: dict[str, Any]) -> None:
         if iteration == spec.get("die_at"):
             await_others(spec, iteration - 1)
             os._exit(17)  # vanish without goodbye, like a crashed trainer
-        for index, (_, size) in enumerate(layers):
+        for index, size in enumerate(sizes):
             grads[index][:] = from_float(
                 value(spec["rank"], iteration, index, size), spec["dtype"]
             )

@@ -13,7 +13,7 @@ import numpy as np
 
 from commd.testing.processes import finish, start_json_worker
 
-from rank_worker import value
+from rank_worker import numel, value
 
 WORKER = str(Path(__file__).with_name("rank_worker.py"))
 
@@ -23,7 +23,7 @@ class JobSpec:
     job: str
     nodes: list[Any]  # DaemonProcess per node
     ranks_per_node: int
-    layers: list[tuple[str, int]]
+    layers: list[tuple[str, int | list[int]]]  # (name, size) or (name, shape)
     dtype: str = "float32"
     op: str = "sum"
     iterations: int = 3
@@ -85,7 +85,8 @@ def collect(processes: list[subprocess.Popen[str]], timeout: float = 90.0) -> li
 def expected(spec: JobSpec, iteration: int) -> list[np.ndarray]:
     """The reduced value every rank must see, computed in float64."""
     sums = [
-        sum(value(r, iteration, i, size).astype(np.float64) for r in range(spec.world_size))
+        sum(value(r, iteration, i, numel(size)).astype(np.float64)
+            for r in range(spec.world_size))
         for i, (_, size) in enumerate(spec.layers)
     ]
     return [s / spec.world_size for s in sums] if spec.op == "avg" else sums

@@ -290,7 +290,7 @@ class Reducer:
         try:
             arrays = client.register(
                 [(USED_LAYER, len(params))]
-                + [(self.names[i], self.params[i].numel()) for i in params],
+                + [(self.names[i], tuple(self.params[i].shape) or 1) for i in params],
                 dtype=dtype, op="avg", planner=self.planner, compression=self.compression,
             )
         except BaseException:

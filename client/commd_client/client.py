@@ -179,7 +179,7 @@ class Client:
 
     def register(
         self,
-        layers: Sequence[tuple[str, int]],
+        layers: Sequence[tuple[str, int | Sequence[int]]],
         dtype: str = "float32",
         op: str = "avg",
         planner: str | None = None,
@@ -188,6 +188,13 @@ class Client:
         device: str = "cpu",
     ) -> list[Any]:
         """Register the layers (forward order); block until the job is formed.
+
+        Each layer is ``(name, size)``, its number of elements, or ``(name, shape)``, the
+        gradient's shape (a tuple or list of positive ints, e.g. a ``torch.Size``): the size
+        is then its product. Give the shape where you have it: low-rank compression views a
+        gradient of 2 or more dimensions as a matrix of ``shape[0]`` rows (as torch's PowerSGD
+        hook does), and a layer given by its size is never compressed low-rank. Every rank
+        must give the same layers, shapes included.
 
         Returns one writable 1-D array per layer, all views of one shared buffer laid out in
         backward order. bfloat16 gradients come as uint16 arrays of raw bits. ``planner``
@@ -204,19 +211,19 @@ class Client:
         """
         if self._host_buffer is not None or self._device is not None:
             raise CommdError("commd: register() was already called on this client")
-        layers = check_layers(layers, dtype, op)
+        checked = check_layers(layers, dtype, op)
         index = None if device == "cpu" else parse_device(device)
         problem = tolerance_problem(self.fault_tolerance, self.min_world_size,
                                     self.initial_world_size, "cpu" if device == "cpu" else "cuda")
         if problem:
             raise CommdValueError(f"commd: register(device={device!r}): {problem}")
-        self._sizes = [size for _, size in layers]
+        self._sizes = [size for _, size, _ in checked]
         flat, where = self._allocate(sum(self._sizes), dtype, device == "cpu", index)
         offsets = backward_offsets(self._sizes)
         views = [flat[o : o + n] for o, n in zip(offsets, self._sizes, strict=True)]
         self._connection.send(
             Register(
-                layers=[Layer(name=name, size=size) for name, size in layers],
+                layers=[Layer(name=name, size=size, rows=rows) for name, size, rows in checked],
                 dtype=dtype,
                 op=op,
                 planner=planner if planner is not None else env.planner(),

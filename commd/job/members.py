@@ -81,6 +81,18 @@ class Members:
         assert registration is not None
         return registration
 
+    @property
+    def sizes(self) -> list[int]:
+        """Elements of each registered layer, forward order (every rank registered the same)."""
+        return [layer.size for layer in self.first_registration().layers]
+
+    @property
+    def rows(self) -> list[int]:
+        """Rows of each registered layer's matrix view, forward order, as ``sizes``: shape[0]
+        of a tensor of 2 or more dimensions, 0 for a vector or where the client did not say
+        (never compressed low-rank). A nonzero one divides its size (validated)."""
+        return [layer.rows for layer in self.first_registration().layers]
+
     def live_registration(self) -> Register | None:
         """The registration of a live rank that is not a replacement waiting to join."""
         return next((r.registration for r in self.in_order()

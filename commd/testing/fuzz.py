@@ -82,6 +82,8 @@ SPECIAL: list[Any] = [
     [-1], [2**63 - 1],
     [math.nan], [[0, 0, math.inf, 1.0]], [{"name": "w", "size": -1}],
     [{"name": "w", "size": 2**63 - 1}], [{"name": 1, "size": "1"}], [{"size": 1}],
+    [{"name": "w", "size": 4, "rows": 3}], [{"name": "w", "size": 4, "rows": -1}],
+    [{"name": "w", "size": 4, "rows": 2**64 - 1}],
 ]
 
 

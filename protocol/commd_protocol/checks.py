@@ -30,12 +30,27 @@ def layers_problem(layers: Sequence[Layer], max_layers: int | None = None) -> st
         if not 0 < layer.size <= MAX_LAYER_ELEMENTS:
             return f"layer {index} ({layer.name[:100]!r}) has size {layer.size}; must be " \
                    "> 0 and not over 2**40"
+        problem = rows_problem(layer.rows, layer.size)
+        if problem:
+            return f"layer {index} ({layer.name[:100]!r}) has rows {layer.rows}; {problem}"
         if len(layer.name) > MAX_NAME_CHARS:
             return f"layer {index}'s name is {len(layer.name)} characters; at most " \
                    f"{MAX_NAME_CHARS}"
         if layer.name in names:
             return f"layer {index}'s name {layer.name!r} is used twice; layer names must differ"
         names.add(layer.name)
+    return ""
+
+
+def rows_problem(rows: int, size: int) -> str:
+    """'' when ``rows`` can be the rows of a layer of ``size`` elements seen as a matrix
+    (0: a vector, or not known), else what is wrong, in words."""
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        return f"rows must be an int, not {type(rows).__name__}"
+    if not 0 <= rows <= size:
+        return f"must be between 0 (a vector) and the layer's size {size}"
+    if rows and size % rows:
+        return f"must divide the layer's size {size} (a matrix of rows x size / rows)"
     return ""
 
 

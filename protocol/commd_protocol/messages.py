@@ -44,6 +44,11 @@ class Hello(_Msg, tag="hello"):
 class Layer(msgspec.Struct, array_like=False, kw_only=True):
     name: str
     size: int  # number of elements
+    # Rows of the layer's matrix view, shape[0] of a tensor of 2 or more dimensions (a
+    # low-rank compressor sees it as rows x size / rows, as torch's PowerSGD hook does);
+    # 0: a vector, or not known (never compressed low-rank). 0 <= rows <= size, and rows
+    # divides size.
+    rows: int = 0
 
 
 class Register(_Msg, tag="register"):

@@ -66,15 +66,36 @@ def test_lost_rank_fails_every_other_rank_and_other_jobs_go_on(start_daemon, tmp
     assert_exact(healthy, collect(start_ranks(healthy)))
 
 
-def test_layer_mismatch_is_reported_to_every_rank(start_daemon) -> None:
+# The same layers given by their shapes: rows 3 for conv1.weight (3 x 9), 10 for fc.weight.
+SHAPED = [("conv1.weight", [3, 3, 3]), ("conv1.bias", [3]), ("fc.weight", [10, 13]),
+          ("fc.bias", 10)]
+
+
+@pytest.mark.parametrize(("other", "words"), [
+    ([*LAYERS[:2], ("fc.weight", 131), LAYERS[3]],
+     "first differing layer is 2: 'fc.weight' (130 elements) vs 'fc.weight' (131 elements)"),
+    # the same sizes, only the matrix rows differ (13 x 10 against 10 x 13)
+    ([*SHAPED[:2], ("fc.weight", [13, 10]), SHAPED[3]],
+     "first differing layer is 2: 'fc.weight' (130 elements) has rows 10 (10 x 13) vs rows 13 "
+     "(13 x 10)"),
+], ids=["size", "rows"])
+def test_layer_mismatch_is_reported_to_every_rank(start_daemon, other: list, words: str) -> None:
     nodes = [start_daemon(), start_daemon()]
-    other_layers = [*LAYERS[:2], ("fc.weight", 131), LAYERS[3]]
-    spec = JobSpec("mismatch", nodes, 1, LAYERS, overrides={1: {"layers": other_layers}})
+    mine = SHAPED if "rows" in words else LAYERS
+    spec = JobSpec("mismatch", nodes, 1, mine, overrides={1: {"layers": other}})
     results = collect(start_ranks(spec))
     for result in results:
         assert result.get("code") == "mismatch", result
-        assert "first differing layer is 2" in result["error"]
+        assert words in result["error"], result["error"]
         assert "ranks [0]" in result["error"] and "ranks [1]" in result["error"]
+
+
+def test_layers_given_by_their_shapes_reduce_exactly(start_daemon) -> None:
+    """``Client.register`` with (name, shape) layers (and one bare size) against real
+    daemons: the job forms and every layer sums exactly, as with sizes."""
+    nodes = [start_daemon(), start_daemon()]
+    spec = JobSpec("shaped", nodes, 2, SHAPED, op="avg", iterations=2)
+    assert_exact(spec, collect(start_ranks(spec)))
 
 
 def test_status_shows_running_job(start_daemon) -> None:

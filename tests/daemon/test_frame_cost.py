@@ -227,6 +227,49 @@ async def test_register_integers_out_of_range_are_invalid(
         buffer.close()
 
 
+ROWS_REFUSED = [
+    ({"name": "w", "size": 12, "rows": -1}, "invalid", "has rows -1; must be between 0"),
+    ({"name": "w", "size": 12, "rows": 13}, "invalid", "has rows 13; must be between 0 (a "
+                                                       "vector) and the layer's size 12"),
+    ({"name": "w", "size": 12, "rows": 5}, "invalid", "has rows 5; must divide"),
+    ({"name": "w", "size": 12, "rows": 2**64 - 1}, "invalid", "has rows 18446744073709551615"),
+    ({"name": "w", "size": 12, "rows": "3"}, "malformed", "$.layers[1].rows"),
+    ({"name": "w", "size": 12, "rows": 3.0}, "malformed", "$.layers[1].rows"),
+    ({"name": "w", "size": 12, "rows": True}, "malformed", "$.layers[1].rows"),
+    ({"name": "w", "size": 12, "rows": [3, 4]}, "malformed", "$.layers[1].rows"),
+]
+ROWS_IDS = ["negative", "over-size", "not-dividing", "2**64-1", "str", "float", "bool", "list"]
+SHAPED = [{"name": "b", "size": 4}, {"name": "w", "size": 12, "rows": 3}]  # 3 x 4
+
+
+@pytest.mark.parametrize(("layer", "code", "words"), ROWS_REFUSED, ids=ROWS_IDS)
+async def test_a_register_with_bad_rows_is_refused_naming_the_layer(
+        daemon: Daemon, connect: Any, layer: dict[str, Any], code: str, words: str) -> None:
+    """A layer's matrix rows (``Layer.rows``) out of range, not dividing its size or of the
+    wrong type: a typed refusal naming the layer, and the same rank then registers right;
+    the node's job keeps the rows per layer (``members.rows``) and its join carries them to
+    the coordinator."""
+    client = connect()
+    buffer = HostBuffer("commd-cost-rows", 4 * 16)
+    try:
+        reply = await register_job(daemon, client, buffer, "rows",
+                                   layers=[{"name": "b", "size": 4}, layer])
+        assert reply["type"] == "error" and reply["code"] == code, reply
+        assert words in reply["message"], reply
+        if code == "invalid":
+            assert "layer 1 ('w')" in reply["message"], reply
+        assert failures(daemon) == {}
+        ok = await client.ask({**REGISTER, "layers": SHAPED,
+                               "buffer_token": await hand_over(daemon, buffer)})
+        assert ok["type"] == "registered", ok
+        members = daemon.jobs["rows"].members
+        assert members.rows == [0, 3] and members.sizes == [4, 12]
+        (join_held,) = daemon._coordinator._jobs["rows"].joins.values()
+        assert [layer.rows for layer in join_held.layers] == [0, 3]
+    finally:
+        buffer.close()
+
+
 # --- peer frames -----------------------------------------------------------------------------
 
 
@@ -277,6 +320,29 @@ async def test_a_join_over_the_daemons_limits_is_refused(
     await peer.send(msgpack.packb(join("big", layers=[{"name": f"l{i}", "size": 1}
                                                       for i in range(MAX_LAYERS)])))
     assert (await answer(peer))["type"] == "peer_setup"  # at the limit: formed
+
+
+@pytest.mark.parametrize(("layer", "code", "words"), ROWS_REFUSED, ids=ROWS_IDS)
+async def test_a_join_with_bad_rows_is_refused_naming_the_layer(
+        daemon: Daemon, peer: zmq.asyncio.Socket, layer: dict[str, Any], code: str,
+        words: str) -> None:
+    """The coordinator checks a join's rows as a node checks its ranks' registers: a peer
+    daemon is not trusted either. A malformed one never reaches the coordinator (the peer
+    loop drops what it cannot decode); a well-typed bad one is refused naming the layer."""
+    await peer.send(msgpack.packb(join("rows", layers=[{"name": "b", "size": 4}, layer])))
+    if code == "invalid":
+        reply = await answer(peer)
+        assert reply["type"] == "peer_abort" and reply["code"] == "invalid", reply
+        assert "refused this node's join" in reply["message"], reply
+        assert "layer 1 ('w')" in reply["message"] and words in reply["message"], reply
+    assert failures(daemon) == {}
+    assert daemon.status().coordinating == []  # nothing held for it
+    await peer.send(msgpack.packb(join("rows", layers=SHAPED)))
+    assert (await answer(peer))["type"] == "peer_setup"
+    (held,) = daemon._coordinator._jobs["rows"].joins.values()
+    assert [layer.rows for layer in held.layers] == [0, 3]
+    if code == "malformed":  # the frames of one link arrive in order: it was refused first
+        assert daemon._peer_guard.counts.get("bad peer message (malformed)", 0) >= 1
 
 
 async def test_joins_of_one_job_share_one_layer_list(daemon: Daemon) -> None:

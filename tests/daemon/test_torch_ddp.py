@@ -25,7 +25,7 @@ from torch import nn
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.processes import finish, start_json_worker
-from commd_client import CommdError
+from commd_client import Client, CommdError
 from commd_client._torch_common import check_cpu
 from commd_client.torch import DistributedDataParallel
 
@@ -216,6 +216,49 @@ def test_one_rank_in_process_grads_are_shared_views(nodes) -> None:
         assert ddp.module is model
     for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
         torch.testing.assert_close(param, want, atol=1e-6, rtol=0)
+
+
+class _Shapes(nn.Module):
+    """A conv (4-D weight), a linear (2-D), their biases and a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).mean(dim=(2, 3))) * self.scale
+
+
+def test_the_wrapper_registers_each_parameter_by_its_shape(nodes, monkeypatch) -> None:
+    """Low-rank compression needs each gradient's matrix view: the wrapper registers every
+    parameter by its shape (a 0-dim one by its size, 1), and the gradients are as before."""
+    registered: list[list[tuple[str, Any]]] = []
+    original = Client.register
+
+    def spy(self: Client, layers: Any, *args: Any, **kwargs: Any) -> Any:
+        registered.append(list(layers))
+        return original(self, layers, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "register", spy)
+    torch.manual_seed(0)
+    model, reference_model = _Shapes(), _Shapes()
+    reference_model.load_state_dict(model.state_dict())
+    x = torch.randn(5, 2, 6, 6)
+    with DistributedDataParallel(
+        model, job="ddp-shapes", rank=0, world_size=1, local_rank=0, local_world_size=1,
+        coordinator=nodes[0].address, socket=nodes[0].socket, timeout=20,
+    ) as ddp:
+        ddp(x).sum().backward()
+        reference_model(x).sum().backward()
+        for param, want in zip(model.parameters(), reference_model.parameters(), strict=True):
+            assert param.grad is not None
+            torch.testing.assert_close(param.grad, want.grad, atol=1e-6, rtol=0)
+    (layers,) = registered
+    assert layers[0] == ("commd:used", 5)
+    assert dict(layers[1:]) == {"conv.weight": (4, 2, 3, 3), "conv.bias": (4,),
+                                "fc.weight": (3, 4), "fc.bias": (3,), "scale": 1}
 
 
 class _MixedDtypes(nn.Module):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from commd_client import CommdError, CommdTypeError, CommdValueError
 from commd_client.arguments import check_indices, check_layers
 from commd_protocol.checks import MAX_NAME_CHARS
 
-GOOD = [("w", 4), ("b", 2)]
+GOOD = [("w", 4, 0), ("b", 2, 0)]
 
 
 @pytest.mark.parametrize(("layers", "kind", "words"), [
@@ -25,14 +26,32 @@ GOOD = [("w", 4), ("b", 2)]
     ([("", 4)], CommdValueError, "name must be a string"),
     ([(7, 4)], CommdValueError, "name must be a string"),
     ([("x" * (MAX_NAME_CHARS + 1), 4)], CommdValueError, "name must be a string"),
-    ([("w", 4, 1)], CommdTypeError, "(name, size) pair"),
-    (["w4"], CommdTypeError, "(name, size) pair"),
-    ("w", CommdTypeError, "(name, size) pairs"),
-    (7, CommdTypeError, "(name, size) pairs"),
+    ([("w", 4, 1)], CommdTypeError, "(name, size) or (name, shape) pair"),
+    (["w4"], CommdTypeError, "(name, size) or (name, shape) pair"),
+    ("w", CommdTypeError, "(name, size) or (name, shape) pairs"),
+    (7, CommdTypeError, "(name, size) or (name, shape) pairs"),
+    ([("w", 2**40 + 1)], CommdValueError, "at most 2**40"),
+    # a layer given by its shape
+    ([("w", ())], CommdValueError, "layers[0] ('w') shape is empty"),
+    ([("w", [])], CommdValueError, "shape is empty"),
+    ([("b", 2), ("w", (3, 0))], CommdValueError, "layers[1] ('w') shape[1] must be > 0, got 0"),
+    ([("w", (-3, 4))], CommdValueError, "shape[0] must be > 0, got -3"),
+    ([("w", (3, 4.0))], CommdTypeError, "shape[1] must be an int, got 4.0 (float)"),
+    ([("w", (3, "4"))], CommdTypeError, "shape[1] must be an int"),
+    ([("w", (True, 4))], CommdTypeError, "shape[0] must be an int, got True (bool)"),
+    ([("w", (np.bool_(True), 4))], CommdTypeError, "shape[0] must be an int"),
+    ([("w", [[3, 4]])], CommdTypeError, "shape[0] must be an int, got [3, 4] (list)"),
+    ([("w", (3, None))], CommdTypeError, "shape[1] must be an int"),
+    ([("w", (1,) * 9)], CommdValueError, "shape has 9 dimensions; at most 8"),
+    ([("w", (2**20, 2**20, 2))], CommdValueError, "has over 2**40 elements"),
+    ([("w", (2**64,) * 8)], CommdValueError, "has over 2**40 elements"),
+    ([("w", np.array([3, 4]))], CommdTypeError, "size must be an int or a shape"),
+    ([("w", {3: 4})], CommdTypeError, "size must be an int or a shape"),
+    ([("w", (3, 4)), ("w", 12)], CommdValueError, "used twice"),
     ([], CommdValueError, "at least one layer"),
 ], ids=lambda value: repr(value)[:30])
 def test_bad_layers_name_the_argument(layers: Any, kind: type[Exception], words: str) -> None:
-    with pytest.raises(kind, match=r"^commd: .*" + words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(kind, match=r"^commd: .*" + re.escape(words)):
         check_layers(layers, "float32", "sum")
 
 
@@ -41,8 +60,24 @@ def test_errors_are_commd_errors_and_builtin_ones() -> None:
     assert issubclass(CommdValueError, CommdError) and issubclass(CommdValueError, ValueError)
 
 
-def test_good_layers_come_back_as_plain_pairs() -> None:
+def test_good_layers_come_back_as_plain_triples() -> None:
     assert check_layers([("w", np.int64(4)), ["b", 2]], "float16", "avg") == GOOD
+
+
+class Size(tuple[int, ...]):
+    """Stands in for ``torch.Size``, a tuple subclass (tests/unit imports no torch)."""
+
+
+def test_a_layer_given_by_its_shape_has_its_product_and_rows() -> None:
+    """rows is shape[0] for 2 or more dimensions (the matrix view a low-rank compressor
+    uses: ``tensor.view(shape[0], -1)``), 0 for a vector or a bare size."""
+    layers = [("conv.weight", Size((64, 3, 7, 7))), ("fc.weight", [10, np.int32(13)]),
+              ("bias", (10,)), ("scale", (1, 1)), ("plain", np.int64(5)),
+              ("max", (2**20, 2**20))]
+    checked = check_layers(layers, "float32", "avg")
+    assert checked == [("conv.weight", 9408, 64), ("fc.weight", 130, 10), ("bias", 10, 0),
+                       ("scale", 1, 1), ("plain", 5, 0), ("max", 2**40, 2**20)]
+    assert all(type(v) is int for _, size, rows in checked for v in (size, rows))
 
 
 @pytest.mark.parametrize(("layers", "kind"), [

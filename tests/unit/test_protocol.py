@@ -40,6 +40,8 @@ from commd_protocol import (
     encode,
     error_from_reply,
 )
+from commd_protocol.agreement import describe_difference
+from commd_protocol.checks import layers_problem
 from commd_protocol.codec import client_codec, daemon_codec, peer_codec
 
 LAYERS = [Layer(name="conv1.weight", size=864), Layer(name="fc.bias", size=10)]
@@ -134,7 +136,8 @@ def test_encoded_form_is_a_plain_map_with_a_type_key(
     # bytes: msgpack bin; tuples travel as arrays
     assert raw == as_lists(msgspec.to_builtins(message, builtin_types=(bytes,)))
     if isinstance(message, Register):
-        assert raw["layers"] == [{"name": v.name, "size": v.size} for v in message.layers]
+        assert raw["layers"] == [{"name": v.name, "size": v.size, "rows": v.rows}
+                                 for v in message.layers]
 
 
 def test_every_message_struct_is_covered() -> None:
@@ -204,6 +207,54 @@ def test_foreign_register_decodes_with_defaults_and_ignores_unknown_fields() -> 
         dtype="float32", op="sum", shm_name="commd-x",
     )
     assert message.compression == "none"
+
+
+def test_a_layer_carries_its_rows_and_an_old_clients_layer_has_none() -> None:
+    """``Layer.rows`` travels in a register and a peer join; a layer without it (an older
+    client, another language) decodes with rows 0: a vector, never compressed low-rank."""
+    layers = [Layer(name="fc.weight", size=130, rows=10), Layer(name="fc.bias", size=10)]
+    register = Register(layers=layers, dtype="float32", op="sum")
+    frame = encode(register)
+    assert msgpack.unpackb(frame)["layers"][0] == {"name": "fc.weight", "size": 130, "rows": 10}
+    assert client_codec.decode(frame) == register
+    join = PeerJoin(protocol=2, job="j", ranks=[0], world_size=1, layers=layers,
+                    dtype="float32", op="sum", planner="wfbp", host="h")
+    decoded = peer_codec.decode(encode(join))
+    assert isinstance(decoded, PeerJoin) and [la.rows for la in decoded.layers] == [10, 0]
+    old = client_codec.decode(msgpack.packb({
+        "type": "register", "dtype": "float32", "op": "sum",
+        "layers": [{"name": "fc.weight", "size": 130}, {"name": "fc.bias", "size": 10}]}))
+    assert isinstance(old, Register) and [la.rows for la in old.layers] == [0, 0]
+
+
+@pytest.mark.parametrize(("rows", "words"), [
+    (3, ""), (12, ""), (1, ""), (0, ""),  # 3 x 4, a column, a row, a vector
+    (-1, "has rows -1; must be between 0 (a vector) and the layer's size 12"),
+    (13, "has rows 13; must be between 0 (a vector) and the layer's size 12"),
+    (5, "has rows 5; must divide the layer's size 12"),
+    (2**64 - 1, "has rows 18446744073709551615; must be between 0"),
+    (True, "rows must be an int, not bool"),
+    (2.0, "rows must be an int, not float"),
+], ids=repr)
+def test_layers_problem_checks_the_rows(rows: Any, words: str) -> None:
+    problem = layers_problem([Layer(name="a", size=1), Layer(name="w", size=12, rows=rows)])
+    if words:
+        assert problem.startswith("layer 1 ('w') has rows") and words in problem, problem
+    else:
+        assert problem == ""
+
+
+def test_ranks_whose_rows_differ_disagree_naming_the_layer_and_both_rows() -> None:
+    def register(rows: int) -> Register:
+        return Register(layers=[Layer(name="b", size=4), Layer(name="w", size=130, rows=rows)],
+                        dtype="float32", op="sum")
+
+    assert describe_difference(register(10), register(10)) == ""
+    assert describe_difference(register(10), register(13)) == (
+        "first differing layer is 1: 'w' (130 elements) has rows 10 (10 x 13) vs rows 13 "
+        "(13 x 10); every rank must give it the same shape")
+    assert "rows 0 (a vector) vs rows 10 (10 x 13)" in describe_difference(register(0),
+                                                                           register(10))
 
 
 @pytest.mark.parametrize(
@@ -311,6 +362,16 @@ REGISTER = {  # the required fields only (a host buffer's token is checked by th
                                                {"name": "b", "size": "big"}]},
          "$.layers[1].size"),
         (client_codec, {**REGISTER, "layers": {"a": 1}}, "$.layers"),
+        (client_codec, {**REGISTER, "layers": [{"name": "a", "size": 4, "rows": "2"}]},
+         "$.layers[0].rows"),
+        (client_codec, {**REGISTER, "layers": [{"name": "a", "size": 4, "rows": 2.0}]},
+         "$.layers[0].rows"),
+        (client_codec, {**REGISTER, "layers": [{"name": "a", "size": 4, "rows": True}]},
+         "$.layers[0].rows"),
+        (peer_codec, {"type": "peer_join", "protocol": 1, "job": "j", "ranks": [0],
+                      "world_size": 1, "layers": [{"name": "a", "size": 4, "rows": [2]}],
+                      "dtype": "float32", "op": "sum", "planner": "wfbp", "host": "h"},
+         "$.layers[0].rows"),
         (client_codec, {"type": "ready", "layers": "3"}, "$.layers"),
         (client_codec, {"type": "ready", "layers": [0, "1"]}, "$.layers[1]"),
         (client_codec, {"type": "wait", "iteration": None}, "$.iteration"),
