@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from commd.compression.planning import compressed_cost, link_cost
-from commd.compression.topk import CompressionSpec, parse_compression
+from commd.compression.spec import CompressionSpec, LowRankSpec, parse_compression
 from commd.coordinator.choice import (
     ChoiceStatus,
     DenseChoice,
@@ -28,6 +28,7 @@ from commd.coordinator.choice import (
 )
 from commd.coordinator.compression_policy import CompressionPolicy
 from commd.coordinator.exchange_trials import DENSE, Candidate
+from commd.coordinator.lowrank_choice import LowRankChoice
 from commd.coordinator.plan_search import MAX_OVERHEAD_S, PlanSearch, kept_groups
 from commd.plan import LinearCost
 from commd_protocol import PeerProfile
@@ -37,11 +38,15 @@ from commd_protocol import PeerProfile
 MAX_SEARCHES = 8
 
 
-def choice_for(compression: str, nodes: int, itemsize: int) -> PlanChoice:
-    """The choice of a job registered with ``compression`` among ``nodes`` nodes."""
+def choice_for(compression: str, nodes: int, itemsize: int, sizes: Sequence[int] = (),
+               rows: Sequence[int] = ()) -> PlanChoice:
+    """The choice of a job registered with ``compression`` among ``nodes`` nodes, whose
+    layers have ``sizes`` elements and ``rows`` matrix rows (forward order)."""
     spec = parse_compression(compression)
     if spec is None:
         return DenseChoice()
+    if isinstance(spec, LowRankSpec):
+        return LowRankChoice(spec, list(sizes), list(rows))
     return CompressedChoice(spec, nodes, itemsize)
 
 

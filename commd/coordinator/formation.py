@@ -70,4 +70,6 @@ def replanner_for(join: PeerJoin, nodes: int) -> Replanner:
     with the choice of what its groups exchange."""
     size = itemsize(join.dtype)
     return Replanner(join.planner, [layer.size * size for layer in join.layers], nodes=nodes,
-                     choice=choice_for(join.compression, nodes, size))
+                     choice=choice_for(join.compression, nodes, size,
+                                       [layer.size for layer in join.layers],
+                                       [layer.rows for layer in join.layers]))

@@ -17,7 +17,7 @@ import numpy as np
 
 from commd.compression.topk import parse_compression
 from commd.coordinator.choice import DenseChoice, PlanChoice, Planned, RoundPlanner
-from commd.coordinator.compressed_choice import CompressedChoice
+from commd.coordinator.compressed_choice import choice_for
 from commd.coordinator.plan_search import PlanSearch, kept_groups
 from commd.plan import LinearCost, evaluate
 from commd.plan.fitting import (
@@ -75,9 +75,9 @@ class Replanner:
     choice: PlanChoice = field(default_factory=DenseChoice)  # what the groups exchange
 
     def __post_init__(self, compression: str, itemsize: int) -> None:
-        spec = parse_compression(compression)
-        if spec is not None:
-            self.choice = CompressedChoice(spec, self.nodes, itemsize)
+        if parse_compression(compression) is not None:
+            sizes = [size // itemsize for size in self.sizes_bytes]
+            self.choice = choice_for(compression, self.nodes, itemsize, sizes)
         # Only plans that depend on a can be tuned by measuring. A compressed job searches
         # the plan of what its trials chose, once chosen (``CompressedChoice.search``).
         self.search.enabled = self._searchable()

@@ -218,7 +218,8 @@ class Job:
                                                        JobState.REFORMING):
             return
         self.liveness.heard_at = time.monotonic()
-        problem = validation.plan_problem(decision, len(self.pipeline.sizes))
+        problem = validation.plan_problem(decision, len(self.pipeline.sizes),
+                                          self.pipeline.compression_spec)
         if problem:
             self.fail(ErrorCode.INVALID, f"the coordinator sent a bad plan: {problem}")
             return

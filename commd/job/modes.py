@@ -7,9 +7,10 @@ pipeline is built (``mode_for``).
   collective and copy back are only enqueued; the clients are told ``done`` as soon as the
   iteration's last group is issued (their streams wait on the done event), and the
   iteration's record follows when the device has finished it, records in order.
-* ``CompressedMode``: host buffers, top-k compression. A compressed group runs as a task
-  whose CPU work starts at once, its collectives in plan order after the previous group's
-  (``turn``); a dense group of a compressed job first sends what top-k held back.
+* ``CompressedMode``: host buffers, top-k or low-rank compression (a ``Compressor``). A
+  compressed group runs as a task whose CPU work starts at once, its collectives in plan
+  order after the previous group's (``turn``); a dense group of a top-k job first sends what
+  top-k held back.
 
 The pipeline owns when a group is ready and the operations on a group (``Stage``); a mode
 owns what launching a group, finishing it and ending an iteration mean for its kind of job.
@@ -20,15 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from commd.compression.topk import CompressionSpec
+from commd.compression.spec import Spec
 from commd.engines.buffer_ops import Buffer, BufferOps
-from commd.job.compressed import NodeCompression
 from commd.job.measurements import CommSample, IterationGains
 from commd.job.schedule import Plan
 
@@ -54,11 +54,39 @@ class Iteration:
     wires: list[asyncio.Future[Any]] = field(default_factory=list)  # device: on the stream
 
 
+class Compressor(Protocol):
+    """A compressed job's state on this node and what its compressed groups do to the node's
+    sum: top-k's ``NodeCompression`` or PowerSGD's ``NodeLowRank``."""
+
+    # the last iteration's dense groups sent some of what compression held back (the
+    # ``done`` reply then does not say "dense")
+    carried: bool
+
+    @property
+    def dense_work(self) -> bool:
+        """Whether a dense group of this job has to go through ``flush`` first."""
+        ...
+
+    def flush(self, total: np.ndarray, start: int, stop: int) -> None:
+        """A dense group of the job, before its collective."""
+
+    async def run(self, plan: Plan, index: int, iteration: int, total: np.ndarray,
+                  turn: asyncio.Future[None], issued: asyncio.Future[None]
+                  ) -> tuple[float, CommSample]:
+        """Group ``index``'s node sum exchanged and written back into ``total``: its gain
+        and the sample of its (first) collective."""
+        ...
+
+    def end_iteration(self, exchanges: Sequence[str]) -> IterationGains:
+        """The iteration's gains, and a fresh start for the next one."""
+        ...
+
+
 class Stage(Protocol):
     """What a mode uses of its pipeline: the operations on one group, and the clients."""
 
     ops: BufferOps
-    compression: NodeCompression | None
+    compression: Compressor | None
 
     async def to_wire(self, plan: Plan, index: int, samples: list[CommSample],
                       prepare: Prepare | None = None) -> Wired:
@@ -216,7 +244,7 @@ class DeviceMode:
             self._records.cancel()
 
 
-def mode_for(stage: Stage, compression: CompressionSpec | None) -> Mode:
+def mode_for(stage: Stage, compression: Spec | None) -> Mode:
     """The mode of a pipeline whose buffers ``stage.ops`` hold (compression needs host
     buffers: ``commd.job.buffers``)."""
     if compression is not None:

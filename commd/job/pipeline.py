@@ -25,11 +25,12 @@ import numpy as np
 
 from commd.compression.exchange import GroupExchange
 from commd.compression.planning import EXPLORE_RATIOS
-from commd.compression.topk import CompressionSpec
+from commd.compression.spec import LowRankSpec, Spec
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES, Buffer, BufferOps, HostOps
 from commd.job.compressed import NodeCompression
 from commd.job.latency import LatencyWindow
+from commd.job.lowrank import NodeLowRank
 from commd.job.measurements import (
     CommSample,
     IterationGains,
@@ -37,7 +38,7 @@ from commd.job.measurements import (
     StepClock,
     WireClock,
 )
-from commd.job.modes import Mode, Prepare, Wired, mode_for
+from commd.job.modes import Compressor, Mode, Prepare, Wired, mode_for
 from commd.job.readiness import Readiness, ReadyError
 from commd.job.schedule import Plan, PlanSchedule, make_plan
 from commd.job.trace import TraceRecorder
@@ -76,7 +77,8 @@ class Pipeline:
         on_failure: Callable[[BaseException], None],
         node_index: int = 0,
         nodes: int = 1,
-        compression: CompressionSpec | None = None,
+        compression: Spec | None = None,
+        rows: Sequence[int] = (),
         ops: BufferOps | None = None,
         watchdog: tuple[float, float] = (10.0, 15.0),
         patient: Callable[[], bool] = lambda: False,
@@ -108,19 +110,29 @@ class Pipeline:
         self._records_clock = StepClock()  # iteration records, with the step time
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
+        self._rows = list(rows)  # each layer's matrix rows (0: a vector), for PowerSGD
         self._compression_spec = compression
         self.compression = self._new_compression(node_index, nodes)
         self.mode: Mode = mode_for(self, compression)  # chosen once: the kind of job
 
-    def _new_compression(self, node_index: int, nodes: int) -> NodeCompression | None:
+    def _new_compression(self, node_index: int, nodes: int) -> Compressor | None:
         """A compressed job's state for this node's place among ``nodes`` (residuals zero)."""
         spec = self._compression_spec
         if spec is None:
             return None
+        if isinstance(spec, LowRankSpec):
+            share = len(self.buffers) / max(1, self.world_size)
+            return NodeLowRank(spec, self.buffers[0], self.sizes, self._rows, self.engine,
+                               self._executor, self._wire_clock, share)
         exchange = GroupExchange(self.engine, self._executor, node_index, nodes, self.dtype,
                                  self._wire_clock, spec.momentum)
         lower = EXPLORE_RATIOS if spec.ratio is None else ()
         return NodeCompression(self.buffers[0], exchange, lower)
+
+    @property
+    def compression_spec(self) -> Spec | None:
+        """What the job registered as its compression (None: dense)."""
+        return self._compression_spec
 
     # --- from the control plane ------------------------------------------------------------------
 

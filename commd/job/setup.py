@@ -124,6 +124,7 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
         node_index=job.setup.node_index if job.setup else 0,
         nodes=job.setup.nodes if job.setup else 1,
         compression=parse_compression(reg.compression),
+        rows=[layer.rows for layer in reg.layers],
         ops=job.ops,
         watchdog=job.ctx.watchdog,
         patient=lambda: job.liveness.marks_pending,

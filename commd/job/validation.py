@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 
 from commd.compression.costs import EXCHANGES
+from commd.compression.lowrank import LOW_RANK
+from commd.compression.spec import LowRankSpec, Spec
 from commd.compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from commd.compression.topk import parse_compression
 from commd.job import buffers
@@ -141,17 +143,19 @@ def setup_problem(setup: PeerSetup) -> str:
     return roster_problem(setup.roster, setup.nodes, MAX_RANKS)
 
 
-def plan_problem(plan: PeerPlan, layers: int) -> str:
-    """'' when the coordinator's plan is one this job can run, else what is wrong."""
+def plan_problem(plan: PeerPlan, layers: int, compression: Spec | None = None) -> str:
+    """'' when the coordinator's plan is one this job (of ``compression``) can run, else
+    what is wrong."""
     try:
         validate_plan(plan.groups, layers)
     except ValueError as exc:
         return str(exc)
     if plan.exchanges and len(plan.exchanges) != len(plan.groups):
         return f"{len(plan.exchanges)} exchanges for {len(plan.groups)} groups"
-    unknown = sorted(set(plan.exchanges) - {"dense", *EXCHANGES})
+    known = {"dense", LOW_RANK} if isinstance(compression, LowRankSpec) else {"dense", *EXCHANGES}
+    unknown = sorted(set(plan.exchanges) - known)
     if unknown:
-        return f"unknown exchanges {unknown}"
+        return f"unknown exchanges {unknown} for compression {compression or 'none'}"
     if not (math.isfinite(plan.ratio) and 0 <= plan.ratio <= 1):
         return f"top-k ratio {plan.ratio}"
     if len(plan.reason) > MAX_PLAN_TEXT or len(plan.search) > MAX_PLAN_TEXT:

@@ -1,0 +1,78 @@
+"""A PowerSGD job's choice of what its groups exchange, as the ``Replanner`` plans it.
+
+Every group runs the low-rank exchange (before the spec's start iteration the nodes run it
+dense on their own, as torch's hook does). The groups are the job's planner's, made for the
+exchange's own cost: two all-reduces per group (the P matrices with the uncompressed
+layers, then the Q matrices), so twice the start-up a, and on the wire only the low-rank
+factors' share of the dense bytes. Like a dense job's plan, it follows a, b and the
+backward profile as they drift, and the plan search tunes its per-group overhead.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from commd.compression.lowrank import LOW_RANK, layer_wire_elements
+from commd.compression.spec import LowRankSpec
+from commd.coordinator.choice import ChoiceStatus, Planned, RoundPlanner
+from commd.coordinator.plan_search import PlanSearch
+from commd.plan import LinearCost
+from commd_protocol import PeerProfile
+
+COLLECTIVES_PER_GROUP = 2
+
+
+@dataclass
+class LowRankChoice:
+    spec: LowRankSpec
+    sizes: Sequence[int]  # elements per layer, forward order
+    rows: Sequence[int]  # matrix rows per layer (0: a vector)
+
+    replans_on_drift = True
+
+    @property
+    def wire_share(self) -> float:
+        """Elements on the wire per iteration over the dense elements."""
+        dense = sum(self.sizes)
+        if dense <= 0:
+            return 1.0
+        rows = list(self.rows) + [0] * (len(self.sizes) - len(self.rows))
+        wired = sum(layer_wire_elements(size, r, self.spec)
+                    for size, r in zip(self.sizes, rows, strict=True))
+        return min(1.0, wired / dense)
+
+    def resize(self, nodes: int) -> None:
+        pass
+
+    def network(self, fitted: LinearCost | None, reports: Sequence[PeerProfile],
+                version: int) -> LinearCost | None:
+        return fitted
+
+    def observe(self, reports: Sequence[PeerProfile], measurable: bool,
+                groups: list[list[int]], cost: LinearCost, planner: RoundPlanner) -> str:
+        return ""
+
+    def search(self, current: PlanSearch) -> PlanSearch:
+        return current
+
+    def searched(self, step_s: float) -> str:
+        return ""
+
+    def overhead_s(self, search: PlanSearch, running: bool) -> float:
+        return search.overhead_s
+
+    def plan(self, measured: LinearCost, overhead_s: float, planner: RoundPlanner) -> Planned:
+        """The planner's groups for the low-rank exchange's cost line."""
+        line = LinearCost(COLLECTIVES_PER_GROUP * measured.alpha_s,
+                          measured.beta_s_per_byte * self.wire_share)
+        groups = planner.plan(LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte))
+        return Planned(groups, [LOW_RANK] * len(groups), line)
+
+    def applied(self, overhead_s: float) -> None:
+        pass
+
+    def status(self) -> ChoiceStatus:
+        return ChoiceStatus("forced")
