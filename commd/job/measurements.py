@@ -88,7 +88,8 @@ class StepClock:
             plan=plan.version,
             period_s=period,
             gain=gains.gain,
-            ratio=plan.ratio if any(e != "dense" for e in plan.exchanges) else 1.0,
+            # a top-k plan's ratio; 1 for a dense or low-rank one (its gain stands alone)
+            ratio=plan.ratio if plan.ratio > 0 and not plan.dense else 1.0,
             iteration=iteration,
             ready_offsets_s=ready_at - start,
             comm=samples,
