@@ -46,7 +46,7 @@ from typing import Any
 
 import ddp_tasks  # a sibling file: bench/ is sys.path[0] of a script run from it
 
-from commd.compression.topk import parse_compression
+from commd.compression.spec import CompressionSpec, parse_compression
 from commd.testing.harness import rank_or_main
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
@@ -170,7 +170,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     wrapped, close = wrap(model, spec)
     if teacher:  # with momentum correction the daemon keeps the momentum, not the optimizer
         compression = parse_compression(spec["compression"]) if spec["impl"] == "commd" else None
-        corrected = compression is not None and compression.momentum > 0
+        corrected = isinstance(compression, CompressionSpec) and compression.momentum > 0
         optimizer = ddp_tasks.optimizer(wrapped.parameters(), spec["lr"],
                                         0.0 if corrected else ddp_tasks.MOMENTUM)
     else:
@@ -209,8 +209,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 def final_exchange(spec: dict[str, Any]) -> str:
     """What the job's groups ran at the end, from the daemon's status: ``dense`` (also for a
-    job without compression), or ``EXCHANGE@RATIO`` (the most groups' exchange); "" when
-    the daemon gives no status."""
+    job without compression), ``EXCHANGE@RATIO`` (the most groups' top-k exchange) or
+    ``lowrank`` (PowerSGD); "" when the daemon gives no status."""
     from commd.cli.status import NoDaemon, query
 
     try:
@@ -221,7 +221,8 @@ def final_exchange(spec: dict[str, Any]) -> str:
         if job["job"].startswith(spec["job"]) and job.get("compression"):
             kinds = job.get("exchanges") or ["dense"]
             kind = max(set(kinds), key=kinds.count)
-            return kind if kind == "dense" else f"{kind}@{job.get('ratio') or 0:.3g}"
+            ratio = job.get("ratio") or 0
+            return kind if kind == "dense" or not ratio else f"{kind}@{ratio:.3g}"
     return ""
 
 
