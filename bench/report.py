@@ -61,16 +61,18 @@ def generated() -> str:
 
 
 def time_to_loss(data: dict[str, Any]) -> str:
+    """Per rate: the target (the best baseline's final loss) and the table, summarised again
+    from every run's curves by the bench's own rule, so the page follows the rule, not the
+    summary a run stored."""
     import time_to_loss as bench
 
     parts = []
-    for index, (rate, block) in enumerate(data["rates"].items()):
-        target = block["summary"]["target_loss"]
-        what = ("target: torch DDP's final validation loss" if index == 0
-                else "target: torch DDP's final validation loss at this rate")
-        parts += [f"**{RATES.get(rate, rate)}** ({what}, "
-                  f"{'-' if target is None else f'{target:.3f}'}):", "",
-                  bench.table(block["summary"]), ""]
+    for rate, block in data["rates"].items():
+        summary = bench.summarise(bench.outcomes_from_json(block["runs"]))
+        failed = [textwrap.fill(line, width=95, subsequent_indent="  ", break_on_hyphens=False,
+                                break_long_words=False) for line in bench.failures(summary)]
+        parts += [para(f"**{RATES.get(rate, rate)}** ({bench.headline(summary)}):"), "",
+                  bench.table(summary), "", *([*failed, ""] if failed else [])]
     return "\n".join(parts) + "\n" + provenance("time-to-loss", data)
 
 

@@ -1,4 +1,5 @@
-"""Time to a validation loss on real text: commd's DDP against torch DDP, 2 nodes × 1 rank.
+"""Time to a validation loss on real text: commd's DDP against the strongest baselines torch
+ships, 2 nodes × 1 rank.
 
 A byte-level transformer LM (bench/text_lm.py: 4 layers, width 256, context 128, 3.3 M
 parameters, 13 MB of gradients) learns the Python standard library's own sources, 5 % of the
@@ -6,32 +7,58 @@ files held out. Two nodes with one rank each, in two network namespaces whose li
 to each of ``--rates`` (commd/testing/netbed.py; root needed), or on loopback
 (``--rates loopback``).
 
-Configurations (``--configs``), run alternately (ABC…ABC…), ``--repeats`` times each:
+Configurations (``--configs``), run alternately (ABC…CBA…ABC…), ``--repeats`` times each:
 
-- ``torch``: torch DDP over Gloo, dense;
+- ``fp16``: torch DDP with torch's ``fp16_compress_hook``: the 16-bit baseline. torch refuses
+  ``bf16_compress_hook`` on CPU and Gloo (it asks for CUDA 11+ and NCCL 2.10+), so the fp16
+  hook is the fair 16-bit baseline here;
 - ``powersgd``: torch DDP with torch's PowerSGD comm hook (rank ``--powersgd-rank`` from step
   ``--powersgd-start``; one bucket, since with Gloo's default buckets its collectives race);
-- ``commd:COMPRESSION``: commd's DistributedDataParallel, e.g. ``commd:none`` (dense),
-  ``commd:topk:auto``, ``commd:topk:auto:momentum=0.9`` (the daemon keeps the momentum, so the
-  optimizer's own is 0, as docs/compression.md asks);
+- ``torch``: torch DDP over Gloo, dense fp32: a reference, not a baseline;
+- ``commd:COMPRESSION``: commd's DistributedDataParallel with ``compression=COMPRESSION``,
+  any value commd's parser takes (it alone decides, and its message says what is wrong), e.g.
+  ``commd:none`` (dense), ``commd:topk:auto``, ``commd:topk:auto:momentum=0.9`` (the daemon
+  keeps the momentum, so the optimizer's own is 0, as docs/compression.md asks),
+  ``commd:powersgd:4:start=10``, ``commd:auto``;
+- ``commd:COMPRESSION+HOOK``: the same with a torch comm hook registered on commd's wrapper:
+  ``+fp16`` (``fp16_compress_hook``) or ``+powersgd`` (``powerSGD_hook`` with
+  ``PowerSGDState(process_group=None, matrix_approximation_rank=--powersgd-rank,
+  start_powerSGD_iter=--powersgd-start)``), e.g. ``commd:none+fp16``. A hook (or a
+  compression) the wrapper refuses fails that configuration with its CommdError, printed and
+  kept in the JSON and the table; the others go on;
 - ``single``: one process without DDP on rank 0's batches: the compute-only limit of a step;
   its curve is what one node alone learns in the same wall time (half the data per step).
 
+**The target and the headline.** Per rate, the *best baseline* is whichever of ``powersgd`` and
+``fp16`` ends ``--steps`` steps at the lower validation loss (the first in ``--configs`` on a
+tie), and the target is that loss. The baselines train ``--steps`` steps; every other
+configuration trains ``--max-steps`` (1.5 × ``--steps`` unless given), so that one that learns
+less per step but steps faster can still get there; one that has not by its last step is
+"not reached". For every configuration the table gives the wall time to the target and that
+time × the best baseline's own (the issue's targets for ``commd:auto``: ≤ 0.8× at 1 Gbit/s,
+≤ 0.6× at 100 Mbit/s), the validation loss at step ``--steps`` (ending no worse than the best
+baseline: at most the target there), the median step × the best baseline's, and the
+compute-only limit: the single process's step × the best baseline's.
+
 Every rank trains with SGD (lr ``--lr`` after ``--warmup`` steps of linear warm-up, momentum
 0.9; docs/benchmarks.md says why) on its own stream of random windows; both
-ranks evaluate the validation loss on fixed held-out windows every ``--eval-every`` steps, and
-the clock stops while they do: the wall time is rank 0's training time only. Per rate it
-prints a Markdown table: median step time (× torch DDP), validation loss at the middle and last
-evaluation, and the wall time and steps to reach torch DDP's final validation loss (× torch
-DDP's; "not reached" when the curve never gets there), all from the mean over the repeats.
-Everything, every curve and the provenance, goes to ``--json``; ``--plot`` draws validation
-loss against wall time, one panel per rate.
+ranks evaluate the validation loss on fixed held-out windows every ``--eval-every`` steps and at
+step ``--steps``, and the clock stops while they do: the wall time is rank 0's training time
+only. The curves and step times are means and medians over the repeats. Everything, every
+curve and the provenance, goes to ``--json`` (bench/report.py renders its table into
+docs/benchmarks.md); ``--plot`` draws validation loss against wall time, one panel per rate.
 
     python bench/time_to_loss.py                        # the headline: 1gbit and 100mbit (root)
-    python bench/time_to_loss.py --rates loopback --json /tmp/ttl.json   # no root
-    python bench/time_to_loss.py --rates 1gbit --configs torch,commd:topk:auto --json /tmp/t.json
+    python bench/time_to_loss.py --rates loopback --configs torch,fp16,powersgd,commd:none \\
+        --json /tmp/ttl.json                            # no root
+    python bench/time_to_loss.py --rates 1gbit --configs fp16,powersgd,commd:topk:auto \\
+        --json /tmp/t.json
 
-(``--json`` elsewhere: runs that are not the headline do not replace the committed result.)
+The bare command (eight configurations, 200 steps for the baselines and 300 for the others,
+two repeats, two rates) takes about an hour on a quiet 2-core machine: ~15 minutes at
+1 Gbit/s, ~45 at 100 Mbit/s, where the dense fp32 runs (torch, commd:none: 13.3 MB a step,
+~1.1 s on the wire) are half of it. (``--json`` elsewhere: runs that are not the headline do
+not replace the committed result.)
 """
 
 from __future__ import annotations
@@ -45,7 +72,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +80,7 @@ from typing import Any
 import ddp_compare  # sibling files: bench/ is sys.path[0] of a script run from it
 import text_lm
 
-from commd.compression.topk import parse_compression
+from commd.compression.spec import parse_compression
 from commd.testing import netbed
 from commd.testing.harness import rank_or_main
 from commd.testing.ports import free_port
@@ -63,27 +90,45 @@ from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
 
-DEFAULT_CONFIGS = "torch,powersgd,commd:none,commd:topk:auto,commd:topk:auto:momentum=0.9,single"
+# Parsed when the bench runs, not when it is imported (commd's parser decides what a
+# compression may be); {rank} and {start} are --powersgd-rank and --powersgd-start, so that
+# commd's PowerSGD runs as torch's does.
+DEFAULT_CONFIGS = ("torch,fp16,powersgd,commd:none,commd:none+fp16,"
+                   "commd:powersgd:{rank}:start={start},commd:auto,single")
+DEFAULT_STEPS = 200
+MAX_STEPS_FACTOR = 1.5  # --max-steps unless given: the others' room to reach the target
 DEFAULT_JSON = "bench/results/time-to-loss.json"
 MOMENTUM = 0.9
+HOOKS = {"fp16": "fp16 hook", "powersgd": "PowerSGD hook"}  # torch comm hooks: name → label
 _JOBS = itertools.count()
 
 
 @dataclass(frozen=True)
 class Config:
-    """One way of training: ``impl`` torch, commd or single; ``compression`` commd's value,
-    "powersgd" (torch's hook) or "none"."""
+    """One way of training: ``impl`` torch, commd or single; ``compression`` commd's
+    ``compression=`` ("none" for torch and single); ``hook`` the torch comm hook registered on
+    the DDP wrapper: none, fp16 or powersgd."""
 
     impl: str
     compression: str = "none"
+    hook: str = "none"
+
+    @property
+    def name(self) -> str:
+        """As ``--configs`` spells it (and the JSON)."""
+        if self.impl != "commd":
+            return self.impl if self.hook == "none" else self.hook
+        return f"commd:{self.compression}" + ("" if self.hook == "none" else f"+{self.hook}")
 
     @property
     def label(self) -> str:
         if self.impl == "single":
             return "single process (no DDP)"
         if self.impl == "torch":
-            return "torch DDP + PowerSGD" if self.compression == "powersgd" else "torch DDP"
-        return "commd dense" if self.compression == "none" else f"commd {self.compression}"
+            return {"none": "torch DDP", "fp16": "torch DDP + fp16 hook",
+                    "powersgd": "torch DDP + PowerSGD"}[self.hook]
+        base = "commd dense" if self.compression == "none" else f"commd {self.compression}"
+        return base if self.hook == "none" else f"{base} + {HOOKS[self.hook]}"
 
     @property
     def ranks(self) -> int:
@@ -91,32 +136,58 @@ class Config:
 
 
 TORCH = Config("torch")
+FP16 = Config("torch", hook="fp16")
+POWERSGD = Config("torch", hook="powersgd")
+SINGLE = Config("single")
+BASELINES = (POWERSGD, FP16)  # the strongest torch ships (design.md, principle 15)
+BY_LABEL = {config.label: config for config in (TORCH, FP16, POWERSGD, SINGLE)}
+
+
+def config_of(entry: str) -> Config:
+    """One ``--configs`` entry (or a JSON ``config``) as a Config, its compression not checked;
+    ValueError for what is none of the forms."""
+    if entry == "torch":
+        return TORCH
+    if entry in HOOKS:
+        return Config("torch", hook=entry)
+    if entry == "single":
+        return SINGLE
+    if entry.startswith("commd:"):
+        compression, plus, hook = entry.removeprefix("commd:").rpartition("+")
+        if not plus:
+            compression, hook = hook, "none"
+        elif hook not in HOOKS:
+            raise ValueError(f"hook {hook!r}: use +fp16 or +powersgd, e.g. commd:none+fp16")
+        if not compression:
+            raise ValueError("name the compression, e.g. commd:none or commd:none+fp16")
+        return Config("commd", compression, hook)
+    raise ValueError("use torch, fp16, powersgd, single, commd:COMPRESSION or "
+                     "commd:COMPRESSION+HOOK (e.g. commd:none, commd:topk:auto, "
+                     "commd:none+fp16)")
 
 
 def parse_configs(text: str) -> list[Config]:
-    """``torch,powersgd,commd:none,commd:topk:auto,single`` → configs; ValueError naming a bad
-    entry."""
+    """``torch,fp16,powersgd,commd:none+fp16,commd:topk:auto,single`` → configs, every commd
+    compression checked by commd's own parser; ValueError naming a bad entry."""
     configs = []
     for entry in (e.strip() for e in text.split(",")):
-        if entry == "torch":
-            configs.append(TORCH)
-        elif entry == "powersgd":
-            configs.append(Config("torch", "powersgd"))
-        elif entry == "single":
-            configs.append(Config("single"))
-        elif entry.startswith("commd:"):
-            compression = entry.removeprefix("commd:")
-            try:
-                parse_compression(compression)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"--configs {entry!r}: {exc}") from None
-            configs.append(Config("commd", compression))
-        else:
-            raise ValueError(f"--configs {entry!r}: use torch, powersgd, single or "
-                             f"commd:COMPRESSION (e.g. commd:none, commd:topk:auto)")
+        try:
+            config = config_of(entry)
+            if config.impl == "commd":
+                parse_compression(config.compression)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--configs {entry!r}: {exc}") from None
+        configs.append(config)
     if len(set(configs)) != len(configs):
         raise ValueError(f"--configs {text!r} names a configuration twice")
     return configs
+
+
+def schedule(configs: Sequence[Config], repeats: int) -> list[tuple[int, Config]]:
+    """(repeat, config) in the order they run: forwards, then backwards, and so on
+    (ABC CBA ABC …), so that a drift in load hits every configuration alike."""
+    return [(repeat, config) for repeat in range(repeats)
+            for config in (configs if repeat % 2 == 0 else configs[::-1])]
 
 
 # --- the time-to-loss computation -----------------------------------------------------------------
@@ -142,12 +213,62 @@ def time_to_loss(curve: Sequence[tuple[float, float]], target: float) -> float |
     return None
 
 
-def eval_steps(steps: int, every: int) -> list[int]:
-    """0, every, 2·every, …, and ``steps`` itself."""
-    return sorted({*range(0, steps, every), steps})
+def eval_steps(last: int, every: int, also: int | None = None) -> list[int]:
+    """0, every, 2·every, …, ``also`` (the baselines' last step) and ``last`` itself."""
+    return sorted({*range(0, last, every), last, *([also] if also is not None else [])})
+
+
+def steps_of(config: Config, steps: int, max_steps: int) -> int:
+    """The baselines train ``steps``: their final loss is the target; the others
+    ``max_steps``, to have room to reach it."""
+    return steps if config in BASELINES else max_steps
 
 
 # --- one rank (runs in its own process) -----------------------------------------------------------
+
+
+def comm_hook(spec: Mapping[str, Any]) -> tuple[object, Callable[..., Any]] | None:
+    """The (state, hook) that ``spec["hook"]`` names, as torch's docs register them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if spec["hook"] == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if spec["hook"] == "powersgd":
+        # Error feedback and warm start are on by default; with them torch needs start ≥ 2.
+        return psgd.PowerSGDState(process_group=None,
+                                  matrix_approximation_rank=spec["powersgd_rank"],
+                                  start_powerSGD_iter=spec["powersgd_start"]), psgd.powerSGD_hook
+    return None
+
+
+def wrap(model: Any, spec: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+    """The model in torch's or commd's DDP with the config's comm hook, and how to close it.
+    torch's PowerSGD goes through ddp_compare's wrapper (one bucket: see there)."""
+    if spec["impl"] == "torch" and spec["hook"] == "powersgd":
+        return ddp_compare.wrap_torch(model, {**spec, "compression": "powersgd"})
+    wrapped, close = ddp_compare.wrap(model, spec)
+    try:
+        hook = comm_hook(spec)
+        if hook is not None:
+            wrapped.register_comm_hook(*hook)
+    except BaseException:
+        close()  # commd: leave the job at once; the error is the rank's result
+        raise
+    return wrapped, close
+
+
+def daemon_momentum(spec: Mapping[str, Any]) -> float:
+    """The momentum commd's daemon keeps under the config's compression (``:momentum=M``);
+    0 without (and for torch and single), so the optimizer keeps its own."""
+    if spec["impl"] != "commd":
+        return 0.0
+    parsed = parse_compression(spec["compression"])
+    return float(getattr(parsed, "momentum", 0.0) or 0.0)
+
+
+def _nothing() -> None:
+    """What closes a model without DDP."""
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
@@ -160,15 +281,12 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     windows = text_lm.validation_windows(text_lm.as_tensor(corpus.held_out),
                                          spec["val_windows"])
     model = text_lm.build_model()
-    wrapped, close = (model, lambda: None) if spec["impl"] == "single" else ddp_compare.wrap(
-        model, spec)
-    compression = parse_compression(spec["compression"]) if spec["impl"] == "commd" else None
-    corrected = compression is not None and compression.momentum > 0
+    wrapped, close = (model, _nothing) if spec["impl"] == "single" else wrap(model, spec)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=spec["lr"],
-                                momentum=0.0 if corrected else MOMENTUM)
+                                momentum=0.0 if daemon_momentum(spec) > 0 else MOMENTUM)
     # A linear warm-up: without it the first steps of momentum SGD throw the loss far above
     # its start before it falls (transformers' usual remedy).
-    schedule = torch.optim.lr_scheduler.LambdaLR(
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / spec["warmup"]))
     evaluate_at = set(spec["eval_steps"])
     clock, curve, step_ms, train_loss = 0.0, [], [], []
@@ -183,7 +301,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         loss = text_lm.loss(wrapped(inputs), targets)
         loss.backward()
         optimizer.step()
-        schedule.step()
+        lr_schedule.step()
         took = time.perf_counter() - start
         clock += took
         step_ms.append(round(1e3 * took, 2))
@@ -222,6 +340,14 @@ class Outcome:
         return all(r["agree"] for r in self.repeats)
 
 
+def reason(error: str) -> str:
+    """What a failed job says in one line: the last line of its error (a rank's traceback
+    ends with the exception and its message)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    last = lines[-1] if lines else "failed"
+    return last if len(last) <= 300 else last[:297] + "..."
+
+
 def run_job(config: Config, nodes: Sequence[ddp_compare.Node], args: argparse.Namespace,
             tag: str) -> dict[str, Any]:
     """One training job, a rank per node (one rank for ``single``); rank 0's result and whether
@@ -231,13 +357,14 @@ def run_job(config: Config, nodes: Sequence[ddp_compare.Node], args: argparse.Na
     port = free_port() if loopback else 29000 + (os.getpid() + count) % 1000
     job = f"ttl-{tag}-{config.impl}-{os.getpid()}-{count}"
     used = nodes[:config.ranks]
+    steps = steps_of(config, args.steps, args.max_steps)
     processes = []
     try:
         for rank, node in enumerate(used):
             spec = {
-                "impl": config.impl, "compression": config.compression, "rank": rank,
-                "world_size": len(used), "batch": args.batch, "steps": args.steps,
-                "eval_steps": eval_steps(args.steps, args.eval_every), "lr": args.lr,
+                "impl": config.impl, "compression": config.compression, "hook": config.hook,
+                "rank": rank, "world_size": len(used), "batch": args.batch, "steps": steps,
+                "eval_steps": eval_steps(steps, args.eval_every, args.steps), "lr": args.lr,
                 "warmup": args.warmup,
                 "seed": args.seed, "budget": args.budget, "val_windows": args.val_windows,
                 "threads": args.threads, "planner": args.planner, "timeout": args.timeout,
@@ -270,13 +397,13 @@ def link(rate: str) -> Iterator[list[ddp_compare.Node] | None]:
 
 def run_rate(rate: str, nodes: Sequence[ddp_compare.Node], configs: Sequence[Config],
              args: argparse.Namespace) -> dict[Config, Outcome]:
-    """Every config ``--repeats`` times, alternating; a failed job is reported and the others
-    go on."""
+    """Every config ``--repeats`` times, alternating (``schedule``); a failed job is reported
+    and the others go on."""
     outcomes = {config: Outcome() for config in configs}
     commd = any(config.impl == "commd" for config in configs)
     with ddp_compare.job_workdir(args) as workdir, \
             ddp_compare.daemons(nodes if commd else [], workdir.path):
-        for repeat, config in itertools.product(range(args.repeats), configs):
+        for repeat, config in schedule(configs, args.repeats):
             outcome = outcomes[config]
             started = time.monotonic()
             try:
@@ -298,16 +425,29 @@ def run_rate(rate: str, nodes: Sequence[ddp_compare.Node], configs: Sequence[Con
 # --- the summary, the table, the JSON, the plot ---------------------------------------------------
 
 
-def summarise(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
-    """Per configuration: median step (× torch DDP), mean validation curve, the wall time to
-    torch DDP's final validation loss (× torch DDP's) and the steps to it (how much of the
-    time is the step's, how much the curve's). Without torch DDP no target."""
-    torch = outcomes.get(TORCH)
-    torch_curve = torch.mean_curve() if torch else []
-    target = torch_curve[-1][2] if torch_curve else None
-    torch_ms = torch.median_ms() if torch else None
-    torch_time = (time_to_loss([(w, v) for _, w, v in torch_curve], target)
-                  if target is not None else None)
+def best_baseline(outcomes: Mapping[Config, Outcome]) -> Config | None:
+    """Of the baselines that ran, the one whose mean curve ends at the lower validation loss
+    (the first in ``outcomes`` on a tie); None when neither ran."""
+    finals = {config: curve[-1][2] for config, outcome in outcomes.items()
+              if config in BASELINES and (curve := outcome.mean_curve())
+              and math.isfinite(curve[-1][2])}
+    return min(finals, key=lambda config: finals[config]) if finals else None
+
+
+def summarise(outcomes: Mapping[Config, Outcome]) -> dict[str, Any]:
+    """The best baseline, its final validation loss (the target) and the step it ends at;
+    per configuration its median step (× the best baseline's), mean validation curve, the
+    validation loss at that step, and the wall time to the target (× the best baseline's)
+    and the steps to it (how much of the time is the step's, how much the curve's). Without a
+    baseline no target."""
+    best = best_baseline(outcomes)
+    best_curve = outcomes[best].mean_curve() if best else []
+    target_step, _, target = best_curve[-1] if best_curve else (None, None, None)
+    best_ms = outcomes[best].median_ms() if best else None
+    best_time = (time_to_loss([(w, v) for _, w, v in best_curve], target)
+                 if target is not None else None)
+    single = outcomes.get(SINGLE)
+    single_ms = single.median_ms() if single else None
     rows: dict[str, Any] = {}
     for config, outcome in outcomes.items():
         curve = outcome.mean_curve()
@@ -316,45 +456,79 @@ def summarise(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
         if curve and target is not None:
             reach = time_to_loss([(w, v) for _, w, v in curve], target)
             steps = time_to_loss([(float(s), v) for s, _, v in curve], target)
+        at_target_step = [loss for step, _, loss in curve if step == target_step]
         rows[config.label] = {
+            "config": config.name,
             "median_step_ms": ms,
-            "step_x_torch": ms / torch_ms if ms and torch_ms else None,
+            "step_x_best": ms / best_ms if ms and best_ms else None,
             "val_loss": [[step, loss] for step, _, loss in curve],
             "wall_s": [wall for _, wall, _ in curve],
+            "loss_at_target_step": at_target_step[0] if at_target_step else None,
             "time_to_target_s": reach,
-            "time_x_torch": reach / torch_time if reach is not None and torch_time else None,
+            "time_x_best": reach / best_time if reach is not None and best_time else None,
             "steps_to_target": steps,
             "agree": outcome.agree(), "repeats": len(outcome.repeats),
             "ran": sorted({r["ran"] for r in outcome.repeats} - {""}),
+            "errors": sorted({reason(error) for error in outcome.errors}),
         }
-    return {"target_loss": target, "configs": rows}
+    return {"best_baseline": best.label if best else None, "target_loss": target,
+            "target_step": target_step, "best_time_s": best_time,
+            "compute_limit_x": single_ms / best_ms if single_ms and best_ms else None,
+            "configs": rows}
 
 
-def table(summary: dict[str, Any]) -> str:
+def headline(summary: Mapping[str, Any]) -> str:
+    """The target and the compute-only limit, in words."""
+    if summary["best_baseline"] is None:
+        return "no baseline (fp16, powersgd) finished: no target"
+    words = (f"target: the best baseline, {summary['best_baseline']}, ends its "
+             f"{summary['target_step']} steps at {summary['target_loss']:.3f}")
+    if summary["best_time_s"] is not None:
+        words += f", reached after {summary['best_time_s']:.1f} s"
+    if summary["compute_limit_x"] is not None:
+        words += (f"; compute-only limit (the single process's step): "
+                  f"{summary['compute_limit_x']:.2f}× its step")
+    return words
+
+
+def table(summary: Mapping[str, Any]) -> str:
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     rows = []
-    middle = None
     for label, row in summary["configs"].items():
         if not row["val_loss"]:
             rows.append([label, "failed", *["-"] * 8])
             continue
-        losses = row["val_loss"]
-        middle = losses[len(losses) // 2]
+        last_step, last_loss = row["val_loss"][-1]
+        at_step = row["loss_at_target_step"]
         reach = row["time_to_target_s"]
         rows.append([
-            label, f"{row['median_step_ms']:.1f}",
-            f"{row['step_x_torch']:.2f}" if row["step_x_torch"] is not None else "-",
-            f"{middle[1]:.3f}", f"{losses[-1][1]:.3f}",
-            "not reached" if reach is None else f"{reach:.1f}",
-            f"{row['time_x_torch']:.2f}" if row["time_x_torch"] is not None else "-",
+            label, f"{row['median_step_ms']:.1f}", ratio(row["step_x_best"]),
+            "-" if at_step is None else f"{at_step:.3f}", f"{last_loss:.3f} @ {last_step}",
+            "not reached" if reach is None else f"{reach:.1f}", ratio(row["time_x_best"]),
             "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}",
             ", ".join(row["ran"]) or "-", "yes" if row["agree"] else "NO",
         ])
-    mid = f"val loss @ {middle[0]}" if middle else "val loss (middle)"
-    target = summary["target_loss"]
-    reach = f"s to {target:.3f}" if target is not None else "s to torch's final loss"
-    header = ["configuration", "median step ms", "× torch DDP", mid, "final val loss", reach,
-              "× torch DDP", "steps to it", "commd ran at the end", "ranks agree"]
+    target, step = summary["target_loss"], summary["target_step"]
+    header = ["configuration", "median step ms", "step × best baseline",
+              "val loss" if step is None else f"val loss @ {step}", "last val loss @ step",
+              "s to the target" if target is None else f"s to {target:.3f}",
+              "time × best baseline", "steps to it", "commd ran at the end", "ranks agree"]
     return markdown_table(header, rows, "lrrrrrrr")
+
+
+def failures(summary: Mapping[str, Any]) -> list[str]:
+    """One Markdown line per configuration that failed a repeat, with why."""
+    return [f"- {label} failed: {'; '.join(row['errors'])}"
+            for label, row in summary["configs"].items() if row["errors"]]
+
+
+def report(summary: Mapping[str, Any]) -> str:
+    """One rate's results: the table, what failed, each under the target."""
+    failed = failures(summary)
+    return "\n".join([f"({headline(summary)})", "", table(summary),
+                      *(["", *failed] if failed else [])])
 
 
 def settings(args: argparse.Namespace, configs: Sequence[Config]) -> dict[str, Any]:
@@ -372,18 +546,21 @@ def settings(args: argparse.Namespace, configs: Sequence[Config]) -> dict[str, A
         "optimizer": {"name": "SGD", "lr": args.lr, "warmup_steps": args.warmup,
                       "momentum": MOMENTUM,
                       "momentum_with_commd_correction": 0.0},
-        "batch_per_rank": args.batch, "steps": args.steps,
-        "eval_steps": eval_steps(args.steps, args.eval_every), "repeats": args.repeats,
+        "batch_per_rank": args.batch, "steps": args.steps, "max_steps": args.max_steps,
+        "eval_steps": eval_steps(args.max_steps, args.eval_every, args.steps),
+        "repeats": args.repeats, "order": "forwards, then backwards (ABC CBA ABC …)",
         "threads": args.threads, "seed": args.seed, "rates": args.rates.split(","),
-        "configs": [c.label for c in configs],
+        "configs": [c.name for c in configs],
+        "target": "the best baseline's (torch DDP + PowerSGD or + fp16 hook: the lower) "
+                  "validation loss after --steps; the baselines train --steps, the others "
+                  "--max-steps",
         "powersgd": {"rank": args.powersgd_rank, "start": args.powersgd_start},
         "wall_time": "rank 0's training steps only; evaluation excluded",
     }
 
 
-def to_json(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
-    return {config.label: {"config": config.impl if config.impl != "commd" else
-                           f"commd:{config.compression}",
+def to_json(outcomes: Mapping[Config, Outcome]) -> dict[str, Any]:
+    return {config.label: {"config": config.name,
                            "repeats": [{k: r[k] for k in ("curve", "step_ms", "train_loss",
                                                           "ran", "agree")}
                                        for r in outcome.repeats],
@@ -391,9 +568,22 @@ def to_json(outcomes: dict[Config, Outcome]) -> dict[str, Any]:
             for config, outcome in outcomes.items()}
 
 
-COLOURS = {"torch DDP": "black", "torch DDP + PowerSGD": "tab:orange",
-           "commd dense": "tab:blue", "commd topk:auto": "tab:green",
-           "commd topk:auto:momentum=0.9": "tab:red", "single process (no DDP)": "grey"}
+def outcomes_from_json(runs: Mapping[str, Any]) -> dict[Config, Outcome]:
+    """The outcomes ``to_json`` wrote, read back (bench/report.py summarises them again, so
+    the table is always this file's rule over the data). torch's and the single process's
+    configurations are known by their labels: runs written before the fp16 hook named torch
+    DDP + PowerSGD's configuration "torch" too."""
+    return {(BY_LABEL.get(label) or config_of(run["config"])):
+            Outcome(repeats=list(run["repeats"]), errors=list(run["errors"]))
+            for label, run in runs.items()}
+
+
+COLOURS = {"torch DDP": "black", "torch DDP + fp16 hook": "tab:purple",
+           "torch DDP + PowerSGD": "tab:orange", "commd dense": "tab:blue",
+           "commd dense + fp16 hook": "tab:cyan", "commd dense + PowerSGD hook": "tab:pink",
+           "commd powersgd:4:start=10": "tab:red", "commd auto": "tab:green",
+           "commd topk:auto": "tab:olive", "commd topk:auto:momentum=0.9": "tab:brown",
+           "single process (no DDP)": "grey"}
 
 
 def plot(path: str, result: dict[str, Any]) -> None:
@@ -415,7 +605,8 @@ def plot(path: str, result: dict[str, Any]) -> None:
                 continue
             losses = [loss for _, loss in row["val_loss"]]
             later += losses[1:]
-            style = ":" if label.startswith("single") else "--" if label == "torch DDP" else "-"
+            style = (":" if label.startswith("single") else
+                     "--" if label.startswith("torch DDP") else "-")
             ax.plot(row["wall_s"], losses, style, marker=".", label=label,
                     color=COLOURS.get(label), linewidth=1.4)
         if summary["target_loss"] is not None:
@@ -431,11 +622,12 @@ def plot(path: str, result: dict[str, Any]) -> None:
     fig.text(0.5, 0.005, f"byte-level transformer ({s['model']['parameters'] / 1e6:.1f} M "
              f"parameters) on the Python standard library, batch {s['batch_per_rank']}×"
              f"{s['model']['context']} bytes per rank, SGD lr {s['optimizer']['lr']} momentum "
-             f"{MOMENTUM}, {s['steps']} steps;\nmeans of {s['repeats']} repeat(s); thin line: "
-             f"torch DDP's final validation loss (the target); the first evaluation (step 0) "
-             f"lies above the axes", ha="center", va="bottom", fontsize=8)
+             f"{MOMENTUM}; baselines (dashed) {s['steps']} steps, the others {s['max_steps']};"
+             f"\nmeans of {s['repeats']} repeat(s); thin line: the best baseline's final "
+             f"validation loss (the target); the first evaluation (step 0) lies above the axes",
+             ha="center", va="bottom", fontsize=8)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # one panel is narrower than the caption
     plt.close(fig)
     print(f"  picture: {path}")
 
@@ -451,16 +643,23 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated link rates (tc syntax, e.g. 1gbit, 100mbit), one pair "
                         "of network namespaces each (root), or loopback: no namespaces, no "
                         "root (default 1gbit,100mbit)")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help=f"comma-separated configurations, run in this order in every repeat "
-                        f"(default {DEFAULT_CONFIGS})")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated configurations, run in this order in the first "
+                        f"repeat, backwards in the second, … (default "
+                        f"{DEFAULT_CONFIGS.format(rank='R', start='S')}, R and S from "
+                        f"--powersgd-rank and --powersgd-start)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of every configuration, alternating; the table shows the mean "
                         "curve and the median step over them (default 2)")
-    p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
-    p.add_argument("--eval-every", type=int, default=15,
-                   help="steps between validation evaluations; also at the last step "
-                        "(default 15)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"training steps of the baselines (fp16, powersgd): the best one's "
+                        f"final validation loss is the target (default {DEFAULT_STEPS})")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="training steps of every other configuration, ≥ --steps: room to "
+                        "reach the target (default 1.5 × --steps)")
+    p.add_argument("--eval-every", type=int, default=20,
+                   help="steps between validation evaluations; also at --steps and the last "
+                        "step (default 20)")
     p.add_argument("--batch", type=int, default=4,
                    help="windows of 128 bytes per rank and step (default 4)")
     p.add_argument("--lr", type=float, default=0.05,
@@ -474,14 +673,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--val-windows", type=int, default=text_lm.VAL_WINDOWS,
                    help=f"held-out windows of the validation loss (default {text_lm.VAL_WINDOWS})")
     p.add_argument("--powersgd-rank", type=int, default=4,
-                   help="PowerSGD's matrix_approximation_rank (default 4)")
+                   help="PowerSGD's matrix_approximation_rank, torch's hook on either "
+                        "wrapper (default 4)")
     p.add_argument("--powersgd-start", type=int, default=10,
                    help="PowerSGD's start_powerSGD_iter, dense before it; ≥ 2 (default 10)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--planner", default=None,
                    help="commd's merge planner (default: the daemon's)")
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds one job may take before it is killed (default 900)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds one job may take before it is killed (default 1800: a dense "
+                        "job at 100 Mbit/s trains ~6 minutes)")
     p.add_argument("--json", default=DEFAULT_JSON, metavar="PATH",
                    help=f"where every curve, step time and the provenance go (default "
                         f"{DEFAULT_JSON}); '' for none")
@@ -493,19 +694,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Config]:
-    """The configurations; a usage error (exit 2) naming a bad option."""
-    try:
-        configs = parse_configs(args.configs)
-    except ValueError as exc:
-        p.error(str(exc))
+    """The configurations (the default list parsed now); a usage error (exit 2) naming a bad
+    option. Sets ``args.max_steps`` when it was not given."""
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.max_steps is None:
+        args.max_steps = math.ceil(MAX_STEPS_FACTOR * args.steps)
+    if args.max_steps < args.steps:
+        p.error(f"--max-steps must be at least --steps ({args.steps})")
     if args.eval_every < 1:
         p.error("--eval-every must be at least 1")
     if args.batch < 1 or args.val_windows < 1 or args.warmup < 1:
         p.error("--batch, --val-windows and --warmup must be at least 1")
+    if args.powersgd_rank < 1:
+        p.error("--powersgd-rank must be at least 1")
     if args.powersgd_start < 2:
         p.error("--powersgd-start must be ≥ 2 (torch's rule with error feedback)")
     for rate in args.rates.split(","):
@@ -514,7 +718,12 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Config]:
                 netbed.rate_bits_per_s(rate)
             except ValueError as exc:
                 p.error(f"--rates: {exc}")
-    return configs
+    if args.configs is None:
+        args.configs = DEFAULT_CONFIGS.format(rank=args.powersgd_rank, start=args.powersgd_start)
+    try:
+        return parse_configs(args.configs)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def save(path: str, result: dict[str, Any]) -> None:
@@ -536,8 +745,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({s['model']['gradient_bytes'] / 1e6:.1f} MB of gradients), "
           f"{s['data']['train_bytes'] / 1e6:.1f} MB of training text, "
           f"{s['data']['held_out_bytes'] / 1e6:.2f} MB held out; batch {args.batch}×"
-          f"{text_lm.CONTEXT} per rank, {args.steps} steps, {args.repeats} repeat(s), "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{text_lm.CONTEXT} per rank, {args.steps} steps for the baselines and "
+          f"{args.max_steps} for the others, {args.repeats} repeat(s), {os.cpu_count()} CPUs",
+          flush=True)
     for rate in args.rates.split(","):
         with link(rate) as nodes:
             if nodes is None:
@@ -545,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes = run_rate(rate, nodes, configs, args)
         summary = summarise(outcomes)
         result["rates"][rate] = {"summary": summary, "runs": to_json(outcomes)}
-        print(f"\n{rate}:\n{table(summary)}\n", flush=True)
+        print(f"\n{rate} {report(summary)}\n", flush=True)
         result["took_s"] = round(time.monotonic() - started)
         save(args.json, result)  # after every rate, so a later failure keeps this one
     if args.json:
@@ -554,8 +764,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, result)
     if len(result["rates"]) > 1:  # all tables together at the end
         for rate, data in result["rates"].items():
-            print(f"\n{rate}:\n{table(data['summary'])}")
-    print(f"\ncommand: {result['provenance']['command']}")
+            print(f"\n{rate} {report(data['summary'])}")
+    print(f"\ncommand: {result['provenance']['command']}\ntook "
+          f"{time.monotonic() - started:.0f} s")
     return 0
 
 
