@@ -5,7 +5,9 @@ wrong):
 * ``topk:RATIO[:EXCHANGE][:momentum=M]`` or ``topk:auto[...]``: top-k sparsification
   (``CompressionSpec``);
 * ``powersgd:RANK[:start=N][:min_rate=X][:feedback=0|1][:warm=0|1][:epsilon=E][:seed=S]``:
-  low-rank compression (``LowRankSpec``, torch's ``PowerSGDState`` settings by other names).
+  low-rank compression (``LowRankSpec``, torch's ``PowerSGDState`` settings by other names);
+* ``auto``: the daemons choose, measuring the running job (``AutoSpec``,
+  ``commd.coordinator.auto_choice``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 from commd.compression.costs import EXCHANGES
 
 __all__ = [
+    "AUTO_RANK",
     "MAX_SPEC_CHARS",
+    "AutoSpec",
     "CompressionSpec",
     "LowRankSpec",
     "Spec",
@@ -66,7 +70,24 @@ class LowRankSpec:
                 f":epsilon={self.epsilon:g}:seed={self.seed}")
 
 
-Spec = CompressionSpec | LowRankSpec
+AUTO_RANK = 4  # the low-rank candidate's rank under `auto` (PowerSGD's usual choice)
+
+
+@dataclass(frozen=True)
+class AutoSpec:
+    """``auto``: dense, or PowerSGD at ``AUTO_RANK`` where the measured network pays for it
+    (the coordinator's ``AutoChoice`` decides; every node can run either)."""
+
+    def __str__(self) -> str:
+        return "auto"
+
+    @property
+    def low_rank(self) -> LowRankSpec:
+        """The low-rank exchange ``auto`` may run: from whenever the coordinator says."""
+        return LowRankSpec(AUTO_RANK, start=0)
+
+
+Spec = CompressionSpec | LowRankSpec | AutoSpec
 
 
 def parse_compression(text: str) -> Spec | None:
@@ -76,12 +97,14 @@ def parse_compression(text: str) -> Spec | None:
     if len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"compression {text[:40]!r}… is not understood: it is over "
                          f"{MAX_SPEC_CHARS} characters; use 'none', 'topk:…' or 'powersgd:…'")
+    if text.strip() == "auto":
+        return AutoSpec()
     if text.startswith("powersgd"):
         return _low_rank(text)
     match = _SPEC.match(text.strip())
     if not match:
         raise ValueError(
-            f"compression {text!r} is not understood; use 'none', "
+            f"compression {text!r} is not understood; use 'none', 'auto', "
             "'topk:RATIO', 'topk:RATIO:EXCHANGE' or 'topk:auto', optionally followed by "
             "':momentum=M' (EXCHANGE: allgather, allreduce, auto; M in [0, 1)), "
             "or 'powersgd:RANK' (see docs/compression.md)"

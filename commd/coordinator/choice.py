@@ -61,6 +61,7 @@ class ChoiceStatus:
     selection: str = ""
     candidates: list[tuple[str, float, float]] = field(default_factory=list)
     note: str = ""
+    why: str = ""  # what runs and why, with the numbers, kept for status every round
 
 
 def dense_plan(planner: RoundPlanner, measured: LinearCost, overhead_s: float,

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from commd.compression.planning import compressed_cost, link_cost
-from commd.compression.spec import CompressionSpec, LowRankSpec, parse_compression
+from commd.compression.spec import AutoSpec, CompressionSpec, LowRankSpec, parse_compression
+from commd.coordinator.auto_choice import AutoChoice
 from commd.coordinator.choice import (
     ChoiceStatus,
     DenseChoice,
@@ -45,6 +46,9 @@ def choice_for(compression: str, nodes: int, itemsize: int, sizes: Sequence[int]
     spec = parse_compression(compression)
     if spec is None:
         return DenseChoice()
+    if isinstance(spec, AutoSpec):
+        # half-precision gradients stay dense (the nodes run them so: ``Pipeline``)
+        return AutoChoice(nodes, list(sizes), list(rows)) if itemsize >= 4 else DenseChoice()
     if isinstance(spec, LowRankSpec):
         return LowRankChoice(spec, list(sizes), list(rows))
     return CompressedChoice(spec, nodes, itemsize)

@@ -279,6 +279,7 @@ class Coordinator(TolerantCoordination):
             exchanges=decision.exchanges, ratio=decision.ratio,
             overhead_s=decision.overhead_s, search=decision.search,
             selection=decision.selection, candidates=decision.candidates,
+            choice=decision.choice,
         )
         formation.plans = [*formation.plans[-2:], message]
         for member in formation.joins:

@@ -53,6 +53,7 @@ class Decision:
     # and (candidate, predicted s, measured s or -1) per candidate
     selection: str = ""
     candidates: list[tuple[str, float, float]] = field(default_factory=list)
+    choice: str = ""  # what the exchange in force is and why (``ChoiceStatus.why``)
 
 
 @dataclass
@@ -139,7 +140,8 @@ class Replanner:
         return Decision(effective, self.version, self.groups, self.cost,
                         timing.exposed_comm_s, said or "no drift", self.exchanges,
                         self.ratio, choice.overhead_s(self.search, running=True),
-                        self.search.state, status.selection, status.candidates)
+                        self.search.state, status.selection, status.candidates,
+                        status.why)
 
     def _worth_switching(self, groups: list[list[int]]) -> bool:
         """A drift re-plan replaces the current plan only if the model expects it to be

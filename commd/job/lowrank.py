@@ -55,16 +55,26 @@ class NodeLowRank:
         self._qs: dict[int, np.ndarray] = {}  # layer -> Q (cols × rank), warm start
         self._forms: dict[tuple[int, ...], GroupForm] = {}  # by the group's layers
         self.gains: list[float] = []  # per low-rank group of this iteration
-        self.carried = False  # the ``done`` reply's "dense" flag reads it (top-k's)
+        self.pending = False  # E holds something a dense group has to send
+        # the last iteration's dense groups sent E (its ``done`` reply is then not "dense")
+        self.carried = False
+        self._carrying = False
 
     @property
     def dense_work(self) -> bool:
-        """A dense group of this job needs no preparation: E waits for the next low-rank
-        group of its layers."""
-        return False
+        """Whether a dense group must first take E along: after low-rank iterations (an
+        ``auto`` job that went back to dense); before ``start`` E is zero."""
+        return self.pending
 
     def flush(self, total: np.ndarray, start: int, stop: int) -> None:
-        """Not used (``dense_work`` is False)."""
+        """A dense group sends what the low-rank sums missed of this node's input: E is
+        added to the node's sum and cleared."""
+        if self.error is None:
+            return
+        error = self.error[start:stop]
+        total += error
+        error[:] = 0
+        self._carrying = True
 
     def form(self, plan: Plan, index: int) -> GroupForm:
         layers = tuple(plan.groups[index])
@@ -104,6 +114,7 @@ class NodeLowRank:
             q[...] = second[matrix.q_at:matrix.q_at + matrix.cols * matrix.rank].reshape(
                 matrix.cols, matrix.rank)
         self.gains.append(gain)
+        self.pending = self.error is not None
         return gain, CommSample(key, first.nbytes, seconds, ALLREDUCE)
 
     def _q(self, layer: int, iteration: int, cols: int, rank: int) -> np.ndarray:
@@ -146,6 +157,9 @@ class NodeLowRank:
     def end_iteration(self, exchanges: Sequence[str]) -> IterationGains:
         gains = IterationGains(float(np.mean(self.gains)) if self.gains else 1.0)
         self.gains = []
+        self.carried, self._carrying = self._carrying, False
+        if all(exchange == "dense" for exchange in exchanges):
+            self.pending = False  # every group of a dense iteration sent its part of E
         return gains
 
 

@@ -25,7 +25,8 @@ import numpy as np
 
 from commd.compression.exchange import GroupExchange
 from commd.compression.planning import EXPLORE_RATIOS
-from commd.compression.spec import LowRankSpec, Spec
+from commd.compression.spec import AutoSpec, LowRankSpec, Spec
+from commd.compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES, Buffer, BufferOps, HostOps
 from commd.job.compressed import NodeCompression
@@ -111,6 +112,8 @@ class Pipeline:
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
         self._rows = list(rows)  # each layer's matrix rows (0: a vector), for PowerSGD
+        if isinstance(compression, AutoSpec) and dtype not in COMPRESSIBLE_DTYPES:
+            compression = None  # `auto` leaves half-precision gradients dense
         self._compression_spec = compression
         self.compression = self._new_compression(node_index, nodes)
         self.mode: Mode = mode_for(self, compression)  # chosen once: the kind of job
@@ -120,9 +123,10 @@ class Pipeline:
         spec = self._compression_spec
         if spec is None:
             return None
-        if isinstance(spec, LowRankSpec):
+        if isinstance(spec, LowRankSpec | AutoSpec):
             share = len(self.buffers) / max(1, self.world_size)
-            return NodeLowRank(spec, self.buffers[0], self.sizes, self._rows, self.engine,
+            low_rank = spec.low_rank if isinstance(spec, AutoSpec) else spec
+            return NodeLowRank(low_rank, self.buffers[0], self.sizes, self._rows, self.engine,
                                self._executor, self._wire_clock, share)
         exchange = GroupExchange(self.engine, self._executor, node_index, nodes, self.dtype,
                                  self._wire_clock, spec.momentum)

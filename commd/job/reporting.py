@@ -116,6 +116,7 @@ def job_status(*, job: str, state: JobState, world_size: int, local_ranks: list[
         candidates=[CandidateTiming(name=name, predicted_s=predicted,
                                     measured_s=measured if measured >= 0 else None)
                     for name, predicted, measured in decision.candidates] if decision else [],
+        choice=decision.choice or None if decision else None,
         layers=len(reg.layers) if reg else 0,
         dtype=reg.dtype if reg else None,
         op=reg.op if reg else None,

@@ -10,7 +10,7 @@ import math
 
 from commd.compression.costs import EXCHANGES
 from commd.compression.lowrank import LOW_RANK
-from commd.compression.spec import LowRankSpec, Spec
+from commd.compression.spec import AutoSpec, LowRankSpec, Spec
 from commd.compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from commd.compression.topk import parse_compression
 from commd.job import buffers
@@ -97,9 +97,12 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
         spec = parse_compression(message.compression)
     except ValueError as exc:
         raise JobError(str(exc)) from None
-    if spec is not None and message.dtype not in COMPRESSIBLE_DTYPES:
+    # `auto` takes any dtype: half-precision gradients it never compresses
+    if spec is not None and not isinstance(spec, AutoSpec) and (
+            message.dtype not in COMPRESSIBLE_DTYPES):
+        kind = "low-rank" if isinstance(spec, LowRankSpec) else "top-k"
         raise JobError(
-            f"top-k compression needs float32 or float64 gradients, not {message.dtype}"
+            f"{kind} compression needs float32 or float64 gradients, not {message.dtype}"
         )
     try:
         context.validate_planner(message.planner)
@@ -152,14 +155,16 @@ def plan_problem(plan: PeerPlan, layers: int, compression: Spec | None = None) -
         return str(exc)
     if plan.exchanges and len(plan.exchanges) != len(plan.groups):
         return f"{len(plan.exchanges)} exchanges for {len(plan.groups)} groups"
-    known = {"dense", LOW_RANK} if isinstance(compression, LowRankSpec) else {"dense", *EXCHANGES}
+    low_rank = isinstance(compression, LowRankSpec | AutoSpec)
+    known = {"dense", LOW_RANK} if low_rank else {"dense", *EXCHANGES}
     unknown = sorted(set(plan.exchanges) - known)
     if unknown:
         return f"unknown exchanges {unknown} for compression {compression or 'none'}"
     if not (math.isfinite(plan.ratio) and 0 <= plan.ratio <= 1):
         return f"top-k ratio {plan.ratio}"
-    if len(plan.reason) > MAX_PLAN_TEXT or len(plan.search) > MAX_PLAN_TEXT:
-        return f"reason and search must be at most {MAX_PLAN_TEXT} characters (shown in status)"
+    if max(len(plan.reason), len(plan.search), len(plan.choice)) > MAX_PLAN_TEXT:
+        return (f"reason, search and choice must be at most {MAX_PLAN_TEXT} characters (shown "
+                "in status)")
     if plan.selection not in SELECTIONS:
         return f"exchange selection {plan.selection[:40]!r}"
     if len(plan.candidates) > MAX_CANDIDATES or any(

@@ -126,6 +126,9 @@ class PeerPlan(_Msg, tag="peer_plan"):
     # and (candidate, predicted s, measured s or -1) per candidate, for status
     selection: str = ""
     candidates: list[tuple[str, float, float]] = msgspec.field(default_factory=list)
+    # what the exchange in force is and why, with the numbers (``compression="auto"``),
+    # kept for status: "" where nothing was chosen
+    choice: str = ""
 
 
 class PeerHeartbeat(_Msg, tag="peer_heartbeat"):

@@ -91,6 +91,9 @@ class JobStatus(_Status):
     # how the exchange was chosen: forced, exploring, measuring or measured (None: dense)
     selection: str | None = None
     candidates: list[CandidateTiming] = []
+    # what the exchange in force is and why, with the numbers (compression="auto"; None: no
+    # choice was made)
+    choice: str | None = None
     layers: int = 0
     dtype: str | None = None
     op: str | None = None
