@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -20,7 +21,13 @@ from commd_protocol import (
 )
 from commd_protocol.codec import daemon_codec
 from commd_protocol.reach import unreachable
-from commd_protocol.status import CoordinatedJob, DaemonStatus, JobStatus, read_status
+from commd_protocol.status import (
+    CoordinatedJob,
+    DaemonStatus,
+    EndedJob,
+    JobStatus,
+    read_status,
+)
 
 
 class NoDaemon(Exception):
@@ -72,7 +79,8 @@ def near_caps(status: DaemonStatus) -> list[str]:
     return lines
 
 
-def render(status: DaemonStatus) -> str:
+def render(status: DaemonStatus, now: float | None = None) -> str:
+    """The text view; ``now`` (unix seconds, default: the clock) dates the ended jobs."""
     lines = [
         f"commd {status.version}  backend {status.backend}  pid {status.pid}  "
         f"up {status.uptime_s:.0f}s",
@@ -89,12 +97,20 @@ def render(status: DaemonStatus) -> str:
     local = {job.job for job in status.jobs}
     for coordinated in status.coordinating:
         lines.extend(_coordinated(coordinated, shown_locally=coordinated.job in local))
-    if not status.jobs:
-        lines.append("no jobs")
-        return "\n".join(lines)
+    lines.extend(_running(status.jobs) if status.jobs else ["no jobs"])
+    if status.ended:
+        lines.append("ended (newest first):")
+        for ended in status.ended:
+            lines.extend(_ended(ended, time.time() if now is None else now))
+    return "\n".join(lines)
+
+
+def _running(jobs: list[JobStatus]) -> list[str]:
+    """The table of the jobs in the daemon's table, then each one's details."""
+    lines = []
     header = ("JOB", "STATE", "RANKS", "NODE", "ITER", "PLANNER", "GROUPS", "ITER_MS")
     rows = [header]
-    for job in status.jobs:
+    for job in jobs:
         node = f"{job.node_index}/{job.nodes}" if job.nodes is not None else "-"
         rows.append((
             job.job,
@@ -109,9 +125,38 @@ def render(status: DaemonStatus) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    for job in status.jobs:
+    for job in jobs:
         lines.extend(_details(job))
-    return "\n".join(lines)
+    return lines
+
+
+def _ended(ended: EndedJob, now: float) -> list[str]:
+    """One ended job, compactly: how and when it ended, its iterations and step time, its last
+    plan and why, and its compression (exchanges, how chosen, candidates)."""
+    job, name = ended.status, ended.status.job
+    clock = time.strftime("%H:%M:%S", time.localtime(ended.ended_at))
+    step = (f", step {1000 * job.iteration_s.mean:.1f} ms (last "
+            f"{1000 * job.iteration_s.last:.1f})" if job.iteration_s else "")
+    node = f", node {job.node_index}/{job.nodes}" if job.nodes is not None else ""
+    how, _, why = ended.outcome.partition(": ")  # "failed: <message>": the message below
+    lines = [f"{name}: {how} {clock} ({_ago(now - ended.ended_at)}): {job.iteration} "
+             f"iteration(s){step}, ranks {_ranks(job.local_ranks)} of {job.world_size}{node}"]
+    if why:
+        lines.append(f"{name}: {why}")
+    if job.plan_version is not None:
+        lines.append(f"{name}: plan v{job.plan_version} {job.planner or '-'}, "
+                     f"{len(job.groups)} group(s)"
+                     + (f" ({job.plan_reason})" if job.plan_reason else ""))
+    return lines + _compression(job)
+
+
+def _ago(seconds: float) -> str:
+    """'12s ago', '5m ago', '3h ago', '2d ago'."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
 
 
 def _details(job: JobStatus) -> list[str]:
@@ -130,6 +175,21 @@ def _details(job: JobStatus) -> list[str]:
             f"{name}: plan search {job.plan_search}: per-group overhead "
             f"{(job.plan_overhead_s or 0.0) * 1e6:.0f} µs added to a"
         )
+    lines.extend(_compression(job))
+    if job.fault_tolerance != "fail":
+        lines.extend(_membership(job))
+    if job.stall:
+        lines.append(f"{name}: STALL ({job.stall_s:.0f}s): {job.stall}")
+    if job.error:
+        lines.append(f"{name}: {job.error}")
+    return lines
+
+
+def _compression(job: JobStatus) -> list[str]:
+    """A compressed job's exchanges and gain, how its exchange was chosen, the candidates and
+    (compression="auto") the choice made and why (none for a dense job)."""
+    lines: list[str] = []
+    name = job.job
     if job.compression not in (None, "none"):
         kinds = job.exchanges
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
@@ -143,12 +203,8 @@ def _details(job: JobStatus) -> list[str]:
                 f"{c.name} predicted {c.predicted_s * 1e3:.1f}"
                 + (f" measured {c.measured_s * 1e3:.1f}" if c.measured_s is not None else "")
                 for c in job.candidates))
-    if job.fault_tolerance != "fail":
-        lines.extend(_membership(job))
-    if job.stall:
-        lines.append(f"{name}: STALL ({job.stall_s:.0f}s): {job.stall}")
-    if job.error:
-        lines.append(f"{name}: {job.error}")
+    if job.choice:  # compression="auto": what runs and why, with the numbers
+        lines.append(f"{name}: choice {job.choice}")
     return lines
 
 
@@ -191,9 +247,12 @@ def _ranks(ranks: list[int]) -> str:
 def register_command(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "status",
-        help="show the node daemon's jobs, plans and timings",
-        description="Ask the commd daemon on this node what it is doing.",
-        epilog="examples:\n  commd status\n  commd status --json | jq '.jobs[].iteration'",
+        help="show the node daemon's jobs, plans and timings, and its last ended jobs",
+        description="Ask the commd daemon on this node what it is doing: its jobs, then the\n"
+                    "last 8 jobs that ended here (newest first), each with how it ended\n"
+                    "(finished, failed: why), its iterations, last plan and compression.",
+        epilog="examples:\n  commd status\n  commd status --json | jq '.jobs[].iteration'\n"
+               "  commd status --json | jq '.ended[] | [.status.job, .outcome]'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -201,7 +260,9 @@ def register_command(subparsers: Any) -> None:
         default=os.environ.get("COMMD_SOCKET", DEFAULT_SOCKET),
         help="the daemon's ipc socket (default: $COMMD_SOCKET or %(default)s)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (running jobs under 'jobs', ended ones "
+                             "under 'ended')")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for a reply")
     parser.set_defaults(func=run)
 

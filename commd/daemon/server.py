@@ -346,6 +346,7 @@ class Daemon:
                 self._sessions.sessions_share, self._sessions.jobs_share,
                 self._sessions.traces_share, self._buffers.pending_share,
                 self._buffers.connections_share)],
+            ended=self._sessions.ended.status(),
         )
 
     def _metric_counts(self) -> Counts:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import select
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -24,6 +25,7 @@ from types import MappingProxyType
 import msgspec
 import zmq
 
+from commd.daemon.ended import EndedJobs, outcome
 from commd.daemon.guard import Guard
 from commd.daemon.handover import BufferSocket
 from commd.daemon.shares import JOBS, ROOT_UID, SESSIONS, TRACES, UNKNOWN_UID, Shares, peer_uid, who
@@ -83,6 +85,8 @@ class ClientSessions:
         self.sessions_share = Shares(SESSIONS)
         self.jobs_share = Shares(JOBS)
         self.traces_share = Shares(TRACES)
+        # the last jobs that left the table, with how they ended (``commd status``)
+        self.ended = EndedJobs()
 
     @property
     def count(self) -> int:
@@ -225,6 +229,18 @@ class ClientSessions:
             if session.job is job and fd is not None and _has_exited(fd):
                 self.depart(identity, lost=True)
 
+    def _end(self, job: Job) -> None:
+        """Close ``job`` and drop it from the table, keeping its last status and how it ended
+        among the ended jobs (if it is still the one there)."""
+        before = job.state  # close turns a job that did not fail into a closed one
+        job.close()
+        try:  # a record that cannot be made must not keep the job in the table
+            if self._jobs.get(job.id) is job:
+                failure = job.failure.message if job.failure is not None else None
+                self.ended.add(job.status(), outcome(before, failure), time.time())
+        finally:
+            self._forget(job)
+
     def _forget(self, job: Job) -> None:
         """Drop ``job`` from the daemon's table (if it is still the one there)."""
         if self._jobs.get(job.id) is job:
@@ -241,8 +257,7 @@ class ClientSessions:
         job = session.job
         job.leave(session.member, lost=lost)
         if job.finished:
-            job.close()
-            self._forget(job)
+            self._end(job)
 
     def _watch_pid(self, identity: bytes, pid: int) -> None:
         """Notice a client that dies without goodbye: a pidfd becomes readable at its exit."""
@@ -273,8 +288,7 @@ class ClientSessions:
                 if session.job is job and (forget_all or session.member.registration is None):
                     self.depart(identity, lost=False)
             if forget_all and self._jobs.get(job.id) is job:  # no session left to end it
-                job.close()
-                self._forget(job)
+                self._end(job)
 
     def _unwatch(self, identity: bytes) -> None:
         fd = self._pidfds.pop(identity, None)

@@ -109,6 +109,14 @@ class JobStatus(_Status):
     membership_changes: list[str] = []  # "epoch N: what changed", oldest first
 
 
+class EndedJob(_Status):
+    """A job that ended on this node: its last snapshot and how it ended."""
+
+    status: JobStatus  # taken as it left the job table (state closed or failed)
+    outcome: str  # "finished", "failed: <message>" or "closed while <state>"
+    ended_at: float  # unix seconds
+
+
 class CoordinatedJob(_Status):
     """A job this daemon coordinates (it is on rank 0's node)."""
 
@@ -146,6 +154,7 @@ class DaemonStatus(_Status):
     # which loops run the top-k path: "compiled[, AVX-512]" or "numpy (why)"; "": older daemon
     compression_loops: str = ""
     shares: list[ShareStatus] = []  # per-user fair shares ([]: older daemon)
+    ended: list[EndedJob] = []  # the last jobs that ended here, newest first ([]: older daemon)
 
 
 def status_map(status: DaemonStatus) -> dict[str, Any]:
