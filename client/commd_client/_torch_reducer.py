@@ -21,11 +21,13 @@ Lifecycle of the gradient buffers:
   with less overlap of communication and backward.
 
 With a half-precision comm hook the buffers hold the wire dtype and gradients are cast in and
-out instead (``_torch_slots``).
+out instead (``_torch_slots``), with torch's hook's arithmetic: each rank divides its
+half-precision gradient by the world size and the job is a sum (op ``sum``), not an average.
 
 Each job has one extra layer in front, ``commd:used``: 1 for every parameter that got a
-gradient on this rank since the last reduction. After averaging it tells which parameters no
-rank used; those whose ``.grad`` was None before keep None, as in torch DDP.
+gradient on this rank since the last reduction. After the reduction (an average, or under a
+hook a sum: a count of ranks) zero tells which parameters no rank used; those whose ``.grad``
+was None before keep None, as in torch DDP.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class Reducer:
                 "torch DDP"
             )
         self.wire_dtype = dtype
-        self._slots = Slots(self.params, staged=dtype is not None)
+        self._slots = Slots(self.params, staged=dtype is not None,
+                            divide_by=self.endpoint.world_size)
         if dtype is not None and self.correction is not None:  # the buffers hold the wire's
             self.correction.close()
             self._step_hook = None
@@ -291,7 +294,8 @@ class Reducer:
             arrays = client.register(
                 [(USED_LAYER, len(params))]
                 + [(self.names[i], tuple(self.params[i].shape) or 1) for i in params],
-                dtype=dtype, op="avg", planner=self.planner, compression=self.compression,
+                dtype=dtype, op="avg" if self.wire_dtype is None else "sum",
+                planner=self.planner, compression=self.compression,
             )
         except BaseException:
             client.close()

@@ -10,8 +10,10 @@ Two ways, chosen once per wrapper:
   gradients: keeping the view attached through ``zero_grad`` would make it two, a zeroing
   at the forward and autograd's accumulation into it.
 - staged (a half-precision comm hook): the shared buffer holds the gradients in the wire dtype;
-  each gradient is cast into it before it is marked ready and cast back after the reduction,
-  as torch's ``fp16_compress_hook`` does with its buckets.
+  each gradient is cast into it and divided there by the world size before it is marked
+  ready, the daemon sums, and the sum is cast back after the reduction: torch's
+  ``fp16_compress_hook`` (``buffer.to(float16).div_(world_size)``, all-reduce, copy back)
+  with the same roundings.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ class Bucket:
 class Slots:
     """Per parameter: its bucket, its layer and its view; moves gradients in and out."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], staged: bool) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], staged: bool,
+                 divide_by: int = 1) -> None:
+        """``divide_by`` (staged only): what each gradient is divided by in the wire dtype
+        once cast into it (the world size: the daemon sums, as torch's hooks' all-reduce)."""
         self.params = params
         self.staged = staged
+        self.divide_by = divide_by if staged else 1
         self.buckets: list[Bucket] = []
         self._where: list[tuple[Bucket, int] | None] = [None] * len(params)
         self.was_none = np.zeros(len(params), dtype=bool)  # .grad None when the window began
@@ -65,7 +71,10 @@ class Slots:
         grad = self.claim(index)
         if grad is not None:
             with torch.no_grad():
-                self.view(index).copy_(grad)
+                view = self.view(index)
+                view.copy_(grad)  # staged: rounded to the wire dtype, as grad.to(dtype)
+                if self.divide_by != 1:
+                    view.div_(self.divide_by)  # in the wire dtype, as torch's hook divides
 
     def claim(self, index: int) -> torch.Tensor | None:
         """In place: make ``.grad`` the view. Returns the gradient still to be written into

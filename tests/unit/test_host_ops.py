@@ -72,6 +72,23 @@ def test_sum_of_many_is_the_sequential_sum(name: str, count: int) -> None:
     assert np.all(np.abs(out.astype(np.float64) - exact) <= tolerance)
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_float16_sum_is_torchs_running_sum(count: int) -> None:
+    """Each addition rounded to float16 exactly as torch's (and Gloo's) float16 add rounds
+    it, over every finite bit pattern's magnitude (subnormals and overflow included)."""
+    rng = np.random.default_rng(20 + count)
+    words = rng.integers(0, 1 << 16, 500_000, dtype=np.uint32).astype(np.uint16)
+    words = words[(words & 0x7C00) != 0x7C00][: 100_000 * (count + 1)]
+    target, *sources = np.split(words.view(np.float16), count + 1)
+    out = target.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        sum_into(out, sources, "float16")
+    total = torch.from_numpy(target.copy())
+    for source in sources:
+        total = total + torch.from_numpy(source)
+    assert np.array_equal(out.view(np.uint16), total.numpy().view(np.uint16))
+
+
 @pytest.mark.parametrize("name", list(FLOATS))
 def test_sum_into_views_of_a_flat_buffer(name: str) -> None:
     dtype = FLOATS[name]
@@ -233,8 +250,19 @@ def test_bfloat16_sum_of_two_is_bit_identical_to_torch(seed: int) -> None:
     assert (widened.view(torch.int32).numpy() & 0xFFFF != 0).mean() > 0.3
 
 
-@pytest.mark.parametrize("count", [0, 2, 3, 5])
-def test_bfloat16_sum_of_many_is_the_sequential_float32_sum(count: int) -> None:
+def torch_running_sum(words: list[np.ndarray]) -> np.ndarray:
+    """torch's bfloat16 additions one after another: each one rounded to bfloat16, as Gloo's
+    and NCCL's bfloat16 sums are (``c10::BFloat16`` adds in float32 and rounds)."""
+    total = as_torch(words[0])
+    for w in words[1:]:
+        total = total + as_torch(w)
+    return as_words(total)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 5])
+def test_bfloat16_sum_of_many_is_the_running_bfloat16_sum(count: int) -> None:
+    """Several local ranks: every addition rounded to bfloat16, in rank order, not a float32
+    sum rounded once (which differs from what a collective's own additions give)."""
     rng = np.random.default_rng(100 + count)
     n = 30_000
     target = as_words((torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 4).bfloat16())
@@ -243,7 +271,9 @@ def test_bfloat16_sum_of_many_is_the_sequential_float32_sum(count: int) -> None:
     out = target.copy()
     sum_into(out, sources, "bfloat16")
     assert out.dtype == np.uint16
-    assert np.array_equal(out, torch_sum([target, *sources]))
+    assert np.array_equal(out, torch_running_sum([target, *sources]))
+    if count >= 2:  # the rounding of the running sum really mattered here
+        assert not np.array_equal(out, torch_sum([target, *sources]))
 
 
 def test_bfloat16_into_views_of_a_flat_buffer() -> None:

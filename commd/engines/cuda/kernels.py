@@ -1,8 +1,10 @@
 """The node-local arithmetic on a device, as cupy elementwise kernels.
 
-Bit-for-bit the same results as ``host_ops``: float16 and float32 are computed in float32 and
-rounded once, float64 in float64; bfloat16 (raw uint16 words) is widened to float32, summed
-there and rounded back to nearest-even. The kernels are built lazily and cached per process;
+Bit-for-bit the same results as ``host_ops``: each operation on float16 and float32 is
+computed in float32 and rounded once, float64 in float64; bfloat16 (raw uint16 words) is
+widened to float32 and rounded back to nearest-even. A sum of several local ranks is one
+``add`` per rank, each rounded to the dtype, as NCCL's and Gloo's own additions are. The
+kernels are built lazily and cached per process;
 ``compile_all`` runs each once so that NVRTC never runs on the event loop.
 """
 
@@ -40,13 +42,12 @@ def _store(dtype: str, expression: str) -> str:
     return f"({_C_TYPE[dtype]})({expression})"
 
 
-KERNELS = ("add", "scale", "scale_copy", "widen", "accumulate", "narrow")
+KERNELS = ("add", "scale", "scale_copy")
 
 
 def spec(name: str, dtype: str) -> tuple[str, str, str, str, str]:
     """(in_params, out_params, operation, kernel name, preamble) of one kernel: add (t += s),
-    scale (x *= f), scale_copy (x *= f; y = x), widen (w = s as float32), accumulate
-    (w += s), narrow (t = w rounded)."""
+    scale (x *= f), scale_copy (x *= f; y = x)."""
     p, wide = _PARAM[dtype], _WIDE[dtype]
     load = _load(dtype).format
     factor = f"{_param_of(wide)} f"
@@ -57,12 +58,6 @@ def spec(name: str, dtype: str) -> tuple[str, str, str, str, str]:
     elif name == "scale_copy":
         body = f"{_C_TYPE[dtype]} v = {_store(dtype, load('x') + ' * f')}; x = v; y = v;"
         args = (factor, f"{p} x, {p} y", body)
-    elif name == "widen":
-        args = (f"{p} s", "float32 w", f"w = {load('s')};")
-    elif name == "accumulate":
-        args = (f"{p} s", "float32 w", f"w += {load('s')};")
-    elif name == "narrow":
-        args = ("float32 w", f"{p} t", f"t = {_store(dtype, 'w')};")
     else:
         raise ValueError(f"no kernel {name!r}; kernels: {', '.join(KERNELS)}")
     return (*args, f"commd_{name}_{dtype}", _BF16 if dtype == "bfloat16" else "")
@@ -84,19 +79,10 @@ def _factor(cupy: Any, dtype: str, factor: float) -> Any:
 
 
 def sum_into(cupy: Any, target: Any, sources: Sequence[Any], dtype: str) -> None:
-    """target += every source; on the current device and stream."""
-    if not sources:
-        return
-    if len(sources) == 1 or dtype != "bfloat16":
-        for source in sources:
-            _kernel(cupy, "add", dtype)(source, target)
-        return
-    # bfloat16 with several sources: sum in float32 and round once, as host_ops does.
-    total = cupy.empty(target.size, dtype=cupy.float32)
-    _kernel(cupy, "widen", dtype)(target, total)
+    """target += every source, in order, each addition rounded to ``dtype`` (as
+    ``host_ops.sum_into``); on the current device and stream."""
     for source in sources:
-        _kernel(cupy, "accumulate", dtype)(source, total)
-    _kernel(cupy, "narrow", dtype)(total, target)
+        _kernel(cupy, "add", dtype)(source, target)
 
 
 def finish(cupy: Any, source: Any, targets: Sequence[Any], factor: float, dtype: str) -> None:

@@ -52,17 +52,6 @@ class ElementwiseKernel:
             host_ops.scale(args[1], float(args[0]), dtype)
             if kernel == "scale_copy":
                 np.copyto(args[2], args[1])
-        elif kernel in ("widen", "accumulate"):
-            wide = host_ops._bf16_to_f32(args[0]) if dtype == "bfloat16" else args[0]
-            if kernel == "widen":
-                args[1][...] = wide
-            else:
-                args[1][...] += wide
-        elif kernel == "narrow":
-            if dtype == "bfloat16":
-                host_ops._f32_to_bf16(np.ascontiguousarray(args[0]), args[1])
-            else:
-                args[1][...] = args[0]
         else:
             raise ValueError(f"the fake cupy has no kernel {kernel!r}")
 
