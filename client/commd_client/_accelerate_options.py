@@ -22,7 +22,7 @@ from commd_protocol import CommdError, CommdTypeError, CommdValueError
 REFUSED_PLUGINS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin",
                    "torch_tp_plugin", "parallelism_config")
 
-# The hooks commd's wrapper runs (fp16 / bf16 on the wire); PowerSGD has commd's top-k instead.
+# The hooks commd's wrapper runs (fp16 / bf16 on the wire); PowerSGD is compression='powersgd:R'.
 _HOOKS = (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16,
           DDPCommunicationHookType.BF16)
 _BOOL_FIELDS = ("broadcast_buffers", "find_unused_parameters", "check_reduction",
@@ -70,8 +70,8 @@ def _check_ddp_handler(handler: DistributedDataParallelKwargs) -> None:
         raise CommdValueError(
             f"commd: DistributedDataParallelKwargs(comm_hook={hook}) is not supported: commd's "
             "daemon runs no Python hooks; comm_hook may be 'no', 'fp16' or 'bf16' (half "
-            "precision on the wire), and for PowerSGD's saving use commd's top-k instead: "
-            "Accelerator(compression='topk:auto')"
+            "precision on the wire), and for PowerSGD pass it as commd's compression, which "
+            "the daemon runs: Accelerator(compression='powersgd:4')"
         )
     if wrapper != DDPCommunicationHookType.NO and hook != DDPCommunicationHookType.NO:
         raise CommdValueError(

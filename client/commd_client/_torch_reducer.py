@@ -100,8 +100,19 @@ class Reducer:
     def registered(self) -> bool:
         return bool(self._slots.buckets)
 
-    def set_wire_dtype(self, dtype: torch.dtype | None) -> None:
-        """Reduce in ``dtype`` on the wire (a comm hook); only before the first reduction."""
+    def set_compression(self, compression: str) -> None:
+        """Compress as ``compression`` says (a comm hook that maps to the daemon's PowerSGD);
+        only before the first reduction, and not on top of another compression."""
+        self._check_unregistered()
+        if self.compression not in (None, "", "none"):
+            raise CommdError(
+                f"commd: register_comm_hook's compression ({compression}) cannot run on top of "
+                f"compression={self.compression!r}: pass one of them"
+            )
+        self.compression = compression
+
+    def _check_unregistered(self) -> None:
+        """A comm hook changes what the gradient jobs register: CommdError once they have."""
         if self.registered and self.endpoint.fault_tolerance == "continue":
             raise CommdError(
                 'commd: register_comm_hook is not available with fault_tolerance="continue": '
@@ -113,6 +124,10 @@ class Reducer:
                 "commd: register_comm_hook must be called before the first backward, as in "
                 "torch DDP"
             )
+
+    def set_wire_dtype(self, dtype: torch.dtype | None) -> None:
+        """Reduce in ``dtype`` on the wire (a comm hook); only before the first reduction."""
+        self._check_unregistered()
         self.wire_dtype = dtype
         self._slots = Slots(self.params, staged=dtype is not None,
                             divide_by=self.endpoint.world_size)

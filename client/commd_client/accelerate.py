@@ -57,7 +57,8 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # accelerate h
     ``DistributedDataParallel`` under multi-process CPU training.
 
     Takes accelerate's arguments unchanged, then commd's keyword-only ones: ``compression``
-    (``topk:RATIO[:EXCHANGE]``, ``topk:auto``, optionally ``:momentum=M``), ``planner``,
+    (``auto``, ``powersgd:RANK``, ``topk:RATIO[:EXCHANGE]``, ``topk:auto``, optionally
+    ``:momentum=M``), ``planner``,
     ``socket``, ``coordinator``, ``job`` and ``commd_timeout`` (seconds);
     each defaults as in ``commd_client.torch.DistributedDataParallel`` (``COMMD_*``, torchrun's
     environment, the process group).

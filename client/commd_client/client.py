@@ -199,8 +199,10 @@ class Client:
         Returns one writable 1-D array per layer, all views of one shared buffer laid out in
         backward order. bfloat16 gradients come as uint16 arrays of raw bits. ``planner``
         defaults to $COMMD_PLANNER, else the daemon's default (``optimal``); ``compression``
-        (``none``, ``topk:RATIO[:EXCHANGE]``, ``topk:auto``, each optionally followed by
-        ``:momentum=M``) to $COMMD_COMPRESSION, else none.
+        (``none``; ``auto``: dense, or PowerSGD where the measured network pays;
+        ``powersgd:RANK[:start=N]``; ``topk:RATIO[:EXCHANGE]`` or ``topk:auto``, each
+        optionally followed by ``:momentum=M``) to $COMMD_COMPRESSION, else none. Low-rank
+        compression needs each layer's shape: give layers as ``(name, shape)``.
         ``profile=False`` skips the network probe and the profiling rounds: for short jobs
         that exchange a few times (the plan then uses a default network model).
 

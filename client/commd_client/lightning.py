@@ -38,7 +38,7 @@ from commd_protocol import CommdError, CommdTypeError, CommdValueError
 
 from ._framework_options import commd_keywords
 from ._torch_common import GPU_MESSAGE
-from ._torch_hooks import wire_dtype
+from ._torch_hooks import low_rank_compression, wire_dtype
 from .torch import DistributedDataParallel
 
 __all__ = ["CommdDDPStrategy", "CommdError"]
@@ -59,8 +59,9 @@ class CommdDDPStrategy(DDPStrategy):
     """``DDPStrategy`` whose model wrapper is commd's ``DistributedDataParallel`` (CPU, Gloo).
 
     Lightning's own arguments keep their meaning (``timeout`` is the process group's, a
-    ``timedelta``). commd's options are keywords: ``compression`` (``topk:RATIO[:EXCHANGE]``,
-    ``topk:auto``, optionally ``:momentum=M``), ``planner``, ``socket`` (default
+    ``timedelta``). commd's options are keywords: ``compression`` (``auto``,
+    ``powersgd:RANK``, ``topk:RATIO[:EXCHANGE]``, ``topk:auto``, optionally ``:momentum=M``),
+    ``planner``, ``socket`` (default
     ``$COMMD_SOCKET``), ``coordinator``, ``job`` and ``commd_timeout`` (seconds for every wait
     on the daemon; ``timeout`` is taken by Lightning). Every other keyword is one of torch
     DDP's constructor keywords (``find_unused_parameters``, ``broadcast_buffers``,
@@ -167,7 +168,8 @@ def _refuse_unsupported(state: object | None, hook: Callable[..., Any] | None,
                         backend: str | None) -> None:
     """What DDPStrategy accepts but commd's daemon cannot do: a clear error, before launch."""
     if hook is not None:
-        wire_dtype(hook)  # CommdError naming the hook unless allreduce / fp16 / bf16 compress
+        wire_dtype(hook)  # CommdError naming the hook unless allreduce / fp16 / bf16 / PowerSGD
+        low_rank_compression(state, hook)  # PowerSGD: CommdError unless a PowerSGDState
     if wrapper is not None:
         raise CommdValueError(
             f"commd: ddp_comm_wrapper={getattr(wrapper, '__qualname__', wrapper)!r} is not "
@@ -178,7 +180,7 @@ def _refuse_unsupported(state: object | None, hook: Callable[..., Any] | None,
         raise CommdValueError(
             "commd: model_averaging_period / PostLocalSGDState (post-local SGD model "
             "averaging) is not supported: commd averages every step's gradients; for less "
-            "traffic use compression='topk:auto'"
+            "traffic use compression='auto'"
         )
     if backend is not None and backend != "gloo":
         raise CommdValueError(

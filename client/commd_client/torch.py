@@ -49,7 +49,7 @@ from commd_protocol import CommdError, CommdTypeError, CommdValueError, Joining
 from . import _torch_rejoin as rejoin
 from . import env
 from ._torch_common import Broadcaster, Endpoint, broadcast_once, check_cpu
-from ._torch_hooks import builtin_hook, wire_dtype
+from ._torch_hooks import builtin_hook, low_rank_compression, wire_dtype
 from ._torch_identity import resolve
 from ._torch_join import DdpJoinHook, announce_sync, common_rank, rescale_by_active
 from ._torch_options import TorchOptions, interpret
@@ -68,7 +68,9 @@ class DistributedDataParallel(_TorchDDP):
     then commd's keywords: the Client's (``job``, ``rank``, ``world_size``, ``local_rank``,
     ``local_world_size``, ``coordinator``, ``socket``, ``timeout``; each defaults from the
     process group or torchrun's environment), ``planner`` (commd's merge planner) and
-    ``compression`` (``topk:RATIO[:EXCHANGE]`` or ``topk:auto``, optionally ``:momentum=M``:
+    ``compression`` (``auto``: dense, or PowerSGD where the measured network pays;
+    ``powersgd:RANK[:start=N]``, or torch's ``powerSGD_hook`` registered as a comm hook;
+    ``topk:RATIO[:EXCHANGE]`` or ``topk:auto``, optionally ``:momentum=M``:
     the daemon keeps the momentum, so build the optimizer without it; without it, top-k under
     ``torch.optim.SGD`` with momentum is momentum-corrected on each rank, the optimizer as it
     is (``_torch_momentum``); default $COMMD_COMPRESSION, else none; with compression every
@@ -370,10 +372,14 @@ class DistributedDataParallel(_TorchDDP):
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch's standard hooks: ``allreduce_hook`` (commd's default),
-        ``fp16_compress_hook`` and ``bf16_compress_hook`` (half precision on the wire);
-        anything else is refused with the reason. Once, before the first backward."""
+        ``fp16_compress_hook`` and ``bf16_compress_hook`` (half precision on the wire),
+        ``powerSGD_hook`` with its ``PowerSGDState`` (the daemon's PowerSGD); anything else
+        is refused with the reason. Once, before the first backward."""
         if self._hook_registered:
             raise CommdError("commd: register_comm_hook can only be called once (as in torch)")
+        compression = low_rank_compression(state, hook)
+        if compression is not None:
+            self._reducer.set_compression(compression)
         self._reducer.set_wire_dtype(wire_dtype(hook))
         name = getattr(hook, "__qualname__", repr(hook))  # torch logs the qualname
         self.logger._set_comm_hook_name(name)  # type: ignore[union-attr]

@@ -248,7 +248,7 @@ def test_refused_unknown_keyword() -> None:
     ({"broadcast_buffers": "no"}, CommdTypeError, "broadcast_buffers='no'"),
     ({"find_unused_parameters": 1}, CommdTypeError, "find_unused_parameters=1"),
     ({"dim": 0.5}, CommdTypeError, "dim=0.5"),
-    ({"comm_hook": DDPCommunicationHookType.POWER_SGD}, CommdValueError, "topk"),
+    ({"comm_hook": DDPCommunicationHookType.POWER_SGD}, CommdValueError, "powersgd"),
     ({"comm_hook": DDPCommunicationHookType.BATCHED_POWER_SGD}, CommdValueError, "power_sgd"),
     ({"comm_hook": DDPCommunicationHookType.FP16,
       "comm_wrapper": DDPCommunicationHookType.BF16}, CommdValueError, "comm_wrapper=bf16"),

@@ -9,6 +9,7 @@ with stock torch DDP are in test_ddp_porting.py.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import pickle
@@ -170,9 +171,46 @@ def test_a_hook_after_the_first_backward_is_refused(where: LocalDaemon) -> None:
             model.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
+def test_the_powersgd_hook_runs_as_the_daemons_powersgd(where: LocalDaemon) -> None:
+    """torch's powerSGD_hook with its state becomes the daemon's PowerSGD: dense before
+    start_powerSGD_iter, then a rank-1 approximation of the weight (one rank, so the result
+    is exactly P Qᵀ of the rank's gradient plus its error), the bias exact."""
+    torch.manual_seed(0)
+    module = nn.Linear(16, 12)
+    reference = copy.deepcopy(module)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1,
+                                        start_powerSGD_iter=2)
+    x = torch.randn(8, 16)
+    with DistributedDataParallel(module) as model:
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        assert model._reducer.compression is not None
+        assert model._reducer.compression.startswith("powersgd:1:start=2:")
+        for step in range(4):
+            module.zero_grad()
+            reference.zero_grad()
+            _step(model, x)
+            _step(reference, x)
+            weight, want = module.weight.grad, reference.weight.grad
+            assert weight is not None and want is not None
+            if step < 2:
+                torch.testing.assert_close(weight, want, rtol=0, atol=0)
+            else:
+                assert torch.linalg.matrix_rank(weight).item() == 1
+                assert not torch.allclose(weight, want, atol=1e-4)
+            torch.testing.assert_close(module.bias.grad, reference.bias.grad)
+
+
+def test_powersgd_needs_its_state(where: LocalDaemon) -> None:
+    with DistributedDataParallel(nn.Linear(3, 2), compression="topk:0.1") as model:
+        with pytest.raises(CommdError, match="PowerSGDState"):
+            model.register_comm_hook(None, powerSGD_hook.powerSGD_hook)
+        state = powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2)
+        with pytest.raises(CommdError, match=r"on top of compression='topk:0\.1'"):
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
 @pytest.mark.parametrize(("hook", "says"), [
-    (powerSGD_hook.powerSGD_hook, "compression='topk:0.01'"),
-    (powerSGD_hook.batched_powerSGD_hook, "PowerSGD"),
+    (powerSGD_hook.batched_powerSGD_hook, "no counterpart"),
     (lambda state, bucket: bucket.buffer(), "cannot run in commd's daemon"),
     ("not callable", "needs a callable"),
 ])
