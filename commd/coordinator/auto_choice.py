@@ -67,6 +67,7 @@ class AutoChoice:
     low_gain_rounds: int = 0  # low-rank rounds in a row under GAIN_FLOOR
     last_gain: float = -1.0
     predicted: dict[str, float] = field(default_factory=dict)  # candidate -> model's s
+    _network_cost: LinearCost | None = None  # a, b from the probe and rounds that ran dense
     _note: str = ""  # said once, in the round's reason (the log)
     verdict: str = ""  # what runs and why, kept for status
     _searches: dict[str, PlanSearch] = field(default_factory=dict)
@@ -88,7 +89,13 @@ class AutoChoice:
 
     def network(self, fitted: LinearCost | None, reports: Sequence[PeerProfile],
                 version: int) -> LinearCost | None:
-        return fitted
+        """a, b from the start-up probe and from rounds that ran dense only: low-rank
+        collectives time the other node's products as much as the wire (``LowRankChoice``)."""
+        dense = self.running == DENSE and all(r.plan == version for r in reports)
+        if fitted is not None and (reports[0].round == 0 or dense
+                                   or self._network_cost is None):
+            self._network_cost = fitted
+        return self._network_cost
 
     def observe(self, reports: Sequence[PeerProfile], measurable: bool,
                 groups: list[list[int]], cost: LinearCost, planner: RoundPlanner) -> str:

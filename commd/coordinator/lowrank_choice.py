@@ -32,6 +32,8 @@ class LowRankChoice:
     rows: Sequence[int]  # matrix rows per layer (0: a vector)
 
     replans_on_drift = True
+    _network_cost: LinearCost | None = None  # a, b from the start-up probe
+
 
     @property
     def wire_share(self) -> float:
@@ -49,7 +51,13 @@ class LowRankChoice:
 
     def network(self, fitted: LinearCost | None, reports: Sequence[PeerProfile],
                 version: int) -> LinearCost | None:
-        return fitted
+        """The network's a, b from the start-up probe: a low-rank group's collectives are
+        timed between CPU work on nodes that reach them at different moments, so their
+        seconds hold the other node's products as much as the wire (fitted from them, b
+        fell to 0 and the plan to a single group)."""
+        if fitted is not None and (reports[0].round == 0 or self._network_cost is None):
+            self._network_cost = fitted
+        return self._network_cost
 
     def observe(self, reports: Sequence[PeerProfile], measurable: bool,
                 groups: list[list[int]], cost: LinearCost, planner: RoundPlanner) -> str:

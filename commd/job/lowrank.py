@@ -32,6 +32,9 @@ from commd_protocol.layout import backward_offsets
 from commd_protocol.peer import ALLREDUCE
 
 T = TypeVar("T")
+# Every this many iterations a group also measures its gain (two more passes over its
+# matrices): the coordinator reads one mean per report round of 10.
+GAIN_EVERY = 5
 
 
 class NodeLowRank:
@@ -52,6 +55,8 @@ class NodeLowRank:
         self._offsets = backward_offsets(self._sizes)
         self._dtype = like.dtype
         self.error = np.zeros_like(like) if spec.feedback else None
+        self._flat_size = like.size
+        self._spare = np.empty(0, dtype=like.dtype)  # share · result, before E takes it
         self._qs: dict[int, np.ndarray] = {}  # layer -> Q (cols × rank), warm start
         self._forms: dict[tuple[int, ...], GroupForm] = {}  # by the group's layers
         self.gains: list[float] = []  # per low-rank group of this iteration
@@ -107,15 +112,28 @@ class NodeLowRank:
         seconds = await self._allreduce(first, turn, issued, last=False)
         await self._work(_second_products, m, total, form, first, second, self.spec.epsilon)
         await self._allreduce(second, None, issued, last=True)
-        gain = await self._work(_decompress, total, error, form, first, second, self._share)
+        measure = iteration % GAIN_EVERY == 0
+        scratch = (self._scratch(start, total.size)
+                   if error is not None and self._share != 1.0 else None)
+        gain = await self._work(_decompress, total, error, form, first, second, self._share,
+                                scratch, measure)
         for matrix, q in zip(form.matrices, qs, strict=True):
             # the next iteration starts from this Q (warm start; its scale does not matter:
             # it is orthogonalised before use)
             q[...] = second[matrix.q_at:matrix.q_at + matrix.cols * matrix.rank].reshape(
                 matrix.cols, matrix.rank)
-        self.gains.append(gain)
+        if measure:
+            self.gains.append(gain)
         self.pending = self.error is not None
         return gain, CommSample(key, first.nbytes, seconds, ALLREDUCE)
+
+    def _scratch(self, start: int, size: int) -> np.ndarray:
+        """Working space for the group whose span starts at element ``start``: its own part
+        of one buffer as large as the job's (groups' spans never overlap, and two groups'
+        last steps may run at once on the worker threads)."""
+        if self._spare.size < self._flat_size:
+            self._spare = np.empty(self._flat_size, dtype=self._dtype)
+        return self._spare[start:start + size]
 
     def _q(self, layer: int, iteration: int, cols: int, rank: int) -> np.ndarray:
         """The layer's Q for this iteration: the last one (warm), else a fresh one."""
@@ -200,23 +218,33 @@ def _second_products(m: np.ndarray, total: np.ndarray, form: GroupForm, first: n
 
 
 def _decompress(total: np.ndarray, error: np.ndarray | None, form: GroupForm,
-                first: np.ndarray, second: np.ndarray, share: float) -> float:
+                first: np.ndarray, second: np.ndarray, share: float,
+                scratch: np.ndarray | None, measure: bool) -> float:
     """Every matrix's sum P Qᵀ into ``total``; E = M − share · sum (uncompressed layers
-    included, as torch's error is). Returns the gain, 1 − ‖E‖² / ‖M‖² over the matrices (how
-    much of this node's input the approximation carried; 1 without error feedback)."""
+    included, as torch's error is; ``scratch`` holds share · sum where share is not 1).
+    Returns, where ``measure``, the gain 1 − ‖E‖² / ‖M‖² over the matrices (how much of this
+    node's input the approximation carried), else 1; 1 without error feedback."""
+    measure = measure and error is not None
     energy = 0.0
     for matrix in form.matrices:
         p = first[matrix.p_at:matrix.p_at + matrix.rows * matrix.rank].reshape(
             matrix.rows, matrix.rank)
         q = second[matrix.q_at:matrix.q_at + matrix.cols * matrix.rank].reshape(
             matrix.cols, matrix.rank)
-        if error is not None:
+        if measure:
+            assert error is not None
             cut = error[matrix.start:matrix.start + matrix.size]
             energy += float(np.vdot(cut, cut))
         np.matmul(p, q.T, out=_matrix(total, matrix.start, matrix.rows, matrix.cols))
     if error is None:
         return 1.0
-    error -= share * total if share != 1.0 else total  # E = M − share · result, one pass
+    if scratch is None:
+        error -= total  # E = M − result
+    else:
+        np.multiply(total, share, out=scratch)
+        error -= scratch
+    if not measure:
+        return 1.0
     missed = sum(float(np.vdot(cut, cut)) for cut in
                  (error[matrix.start:matrix.start + matrix.size] for matrix in form.matrices))
     return 1.0 if energy <= 0 else max(0.0, 1.0 - missed / energy)
