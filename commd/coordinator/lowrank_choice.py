@@ -4,8 +4,9 @@ Every group runs the low-rank exchange (before the spec's start iteration the no
 dense on their own, as torch's hook does). The groups are the job's planner's, made for the
 exchange's own cost: two all-reduces per group (the P matrices with the uncompressed
 layers, then the Q matrices), so twice the start-up a, and on the wire only the low-rank
-factors' share of the dense bytes. Like a dense job's plan, it follows a, b and the
-backward profile as they drift, and the plan search tunes its per-group overhead.
+factors' share of the dense bytes, plus the daemon's own work per group and per byte. Like
+a dense job's plan, it follows a, b and the backward profile as they drift, and the plan
+search tunes its per-group overhead.
 
 Pure: no I/O, no clock.
 """
@@ -23,6 +24,15 @@ from commd.plan import LinearCost
 from commd_protocol import PeerProfile
 
 COLLECTIVES_PER_GROUP = 2
+# What a low-rank group costs the step beyond its two collectives, measured on the 2-core
+# development machine (two daemons, text_lm's 3.3 M parameters at 1 Gbit/s): the daemon's
+# hops and products compete with the backward pass for the cores, so more groups overlap
+# nothing and each adds its own cost. Planned with 1.5 ms a group (the hops alone, no
+# compute), the job ran 17 groups at 389 ms a step; with 30 ms, 4 groups at 252 ms (torch's
+# PowerSGD: 251). The plan search tunes it from there. Per byte: the products' passes over
+# the gradients, 30 ms for 13.3 MB.
+GROUP_S = 30e-3
+CPU_S_PER_BYTE = 2.5e-9
 
 
 @dataclass
@@ -74,8 +84,8 @@ class LowRankChoice:
 
     def plan(self, measured: LinearCost, overhead_s: float, planner: RoundPlanner) -> Planned:
         """The planner's groups for the low-rank exchange's cost line."""
-        line = LinearCost(COLLECTIVES_PER_GROUP * measured.alpha_s,
-                          measured.beta_s_per_byte * self.wire_share)
+        line = LinearCost(COLLECTIVES_PER_GROUP * measured.alpha_s + GROUP_S,
+                          measured.beta_s_per_byte * self.wire_share + CPU_S_PER_BYTE)
         groups = planner.plan(LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte))
         return Planned(groups, [LOW_RANK] * len(groups), line)
 

@@ -19,7 +19,7 @@ from commd.compression.lowrank import (
 from commd.compression.spec import LowRankSpec, parse_compression
 from commd.coordinator.choice import RoundPlanner
 from commd.coordinator.compressed_choice import choice_for
-from commd.coordinator.lowrank_choice import LowRankChoice
+from commd.coordinator.lowrank_choice import CPU_S_PER_BYTE, GROUP_S, LowRankChoice
 from commd.job.validation import plan_problem
 from commd.plan import LinearCost
 from commd_protocol import PeerPlan
@@ -124,8 +124,10 @@ def test_the_coordinator_plans_low_rank_groups_for_the_factors_bytes() -> None:
     planner = RoundPlanner("wfbp", [s * 4 for s in sizes], [1e-3] * 4)
     planned = choice.plan(LinearCost(1e-4, 1e-9), 0.0, planner)
     assert planned.exchanges == [LOW_RANK] * len(planned.groups)
-    assert planned.line.alpha_s == pytest.approx(2e-4)  # two all-reduces per group
-    assert planned.line.beta_s_per_byte == pytest.approx(1e-9 * choice.wire_share)
+    # two all-reduces per group, and the node's own work per group and per byte
+    assert planned.line.alpha_s == pytest.approx(2e-4 + GROUP_S)
+    assert planned.line.beta_s_per_byte == pytest.approx(1e-9 * choice.wire_share
+                                                         + CPU_S_PER_BYTE)
 
 
 def test_a_node_refuses_exchanges_of_another_compression() -> None:
