@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 from commd.compression.lowrank import LOW_RANK, layer_wire_elements
 from commd.compression.spec import LowRankSpec
-from commd.coordinator.choice import ChoiceStatus, Planned, RoundPlanner
-from commd.coordinator.plan_search import PlanSearch
+from commd.coordinator.choice import ChoiceStatus, DenseChoice, Planned, RoundPlanner
 from commd.plan import LinearCost
 from commd_protocol import PeerProfile
 
@@ -36,14 +35,15 @@ CPU_S_PER_BYTE = 2.5e-9
 
 
 @dataclass
-class LowRankChoice:
+class LowRankChoice(DenseChoice):
+    """A dense job's choice (re-planned as a, b and the backward profile drift, its plan
+    searched) whose every group runs the low-rank exchange, planned for its cost."""
+
     spec: LowRankSpec
     sizes: Sequence[int]  # elements per layer, forward order
     rows: Sequence[int]  # matrix rows per layer (0: a vector)
 
-    replans_on_drift = True
     _network_cost: LinearCost | None = None  # a, b from the start-up probe
-
 
     @property
     def wire_share(self) -> float:
@@ -56,9 +56,6 @@ class LowRankChoice:
                     for size, r in zip(self.sizes, rows, strict=True))
         return min(1.0, wired / dense)
 
-    def resize(self, nodes: int) -> None:
-        pass
-
     def network(self, fitted: LinearCost | None, reports: Sequence[PeerProfile],
                 version: int) -> LinearCost | None:
         """The network's a, b from the start-up probe: a low-rank group's collectives are
@@ -69,28 +66,12 @@ class LowRankChoice:
             self._network_cost = fitted
         return self._network_cost
 
-    def observe(self, reports: Sequence[PeerProfile], measurable: bool,
-                groups: list[list[int]], cost: LinearCost, planner: RoundPlanner) -> str:
-        return ""
-
-    def search(self, current: PlanSearch) -> PlanSearch:
-        return current
-
-    def searched(self, step_s: float) -> str:
-        return ""
-
-    def overhead_s(self, search: PlanSearch, running: bool) -> float:
-        return search.overhead_s
-
     def plan(self, measured: LinearCost, overhead_s: float, planner: RoundPlanner) -> Planned:
         """The planner's groups for the low-rank exchange's cost line."""
         line = LinearCost(COLLECTIVES_PER_GROUP * measured.alpha_s + GROUP_S,
                           measured.beta_s_per_byte * self.wire_share + CPU_S_PER_BYTE)
         groups = planner.plan(LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte))
         return Planned(groups, [LOW_RANK] * len(groups), line)
-
-    def applied(self, overhead_s: float) -> None:
-        pass
 
     def status(self) -> ChoiceStatus:
         return ChoiceStatus("forced")
