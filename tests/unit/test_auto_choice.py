@@ -47,6 +47,12 @@ def test_auto_parses_and_composes_its_choice() -> None:
     assert isinstance(choice_for("auto", 2, 2, SIZES, ROWS), DenseChoice)  # 16-bit: dense
 
 
+def test_topk_auto_on_one_node_runs_dense() -> None:
+    assert isinstance(choice_for("topk:auto", 1, 4), DenseChoice)
+    assert not isinstance(choice_for("topk:auto", 2, 4), DenseChoice)
+    assert not isinstance(choice_for("topk:0.1", 1, 4), DenseChoice)  # a ratio the user chose
+
+
 def test_one_node_never_compresses_and_says_why() -> None:
     choice = AutoChoice(1, SIZES, ROWS)
     for number in range(1, 5):

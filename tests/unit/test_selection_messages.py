@@ -37,6 +37,7 @@ def test_a_plan_with_its_candidates_is_accepted() -> None:
     ({"candidates": [("dense", math.nan, -1.0)]}, "candidates"),
     ({"candidates": [("dense", 0.1, -2.0)]}, "candidates"),
     ({"candidates": [("dense", math.inf, 0.1)]}, "candidates"),
+    ({"choice": "auto: " + "x" * 5000}, "choice"),
 ])
 def test_a_hostile_plan_is_refused_naming_the_field(fields: dict[str, object],
                                                      named: str) -> None:
