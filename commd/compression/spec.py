@@ -6,6 +6,7 @@ wrong):
   (``CompressionSpec``);
 * ``powersgd:RANK[:start=N][:min_rate=X][:feedback=0|1][:warm=0|1][:epsilon=E][:seed=S]``:
   low-rank compression (``LowRankSpec``, torch's ``PowerSGDState`` settings by other names);
+* ``fp16``: dense, float16 on the wire (``HalfSpec``);
 * ``auto``: the daemons choose, measuring the running job (``AutoSpec``,
   ``commd.coordinator.auto_choice``).
 """
@@ -20,9 +21,11 @@ from commd.compression.costs import EXCHANGES
 
 __all__ = [
     "AUTO_RANK",
+    "HALF",
     "MAX_SPEC_CHARS",
     "AutoSpec",
     "CompressionSpec",
+    "HalfSpec",
     "LowRankSpec",
     "Spec",
     "parse_compression",
@@ -70,6 +73,18 @@ class LowRankSpec:
                 f":epsilon={self.epsilon:g}:seed={self.seed}")
 
 
+HALF = "fp16"  # a plan's exchange for a group in float16 on the wire
+
+
+@dataclass(frozen=True)
+class HalfSpec:
+    """``fp16``: every group dense, in float16 on the wire, with torch's
+    ``fp16_compress_hook``'s arithmetic (divided by the job's ranks before the sum)."""
+
+    def __str__(self) -> str:
+        return "fp16"
+
+
 AUTO_RANK = 4  # the low-rank candidate's rank under `auto` (PowerSGD's usual choice)
 
 
@@ -87,7 +102,7 @@ class AutoSpec:
         return LowRankSpec(AUTO_RANK, start=0)
 
 
-Spec = CompressionSpec | LowRankSpec | AutoSpec
+Spec = CompressionSpec | LowRankSpec | HalfSpec | AutoSpec
 
 
 def parse_compression(text: str) -> Spec | None:
@@ -99,12 +114,14 @@ def parse_compression(text: str) -> Spec | None:
                          f"{MAX_SPEC_CHARS} characters; use 'none', 'topk:…' or 'powersgd:…'")
     if text.strip() == "auto":
         return AutoSpec()
+    if text.strip() == "fp16":
+        return HalfSpec()
     if text.startswith("powersgd"):
         return _low_rank(text)
     match = _SPEC.match(text.strip())
     if not match:
         raise ValueError(
-            f"compression {text!r} is not understood; use 'none', 'auto', "
+            f"compression {text!r} is not understood; use 'none', 'auto', 'fp16', "
             "'topk:RATIO', 'topk:RATIO:EXCHANGE' or 'topk:auto', optionally followed by "
             "':momentum=M' (EXCHANGE: allgather, allreduce, auto; M in [0, 1)), "
             "or 'powersgd:RANK' (see docs/compression.md)"

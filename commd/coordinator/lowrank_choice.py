@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from commd.compression.lowrank import LOW_RANK, layer_wire_elements
-from commd.compression.spec import LowRankSpec
+from commd.compression.spec import HALF, LowRankSpec
 from commd.coordinator.choice import ChoiceStatus, DenseChoice, Planned, RoundPlanner
 from commd.plan import LinearCost
 from commd_protocol import PeerProfile
@@ -72,6 +72,19 @@ class LowRankChoice(DenseChoice):
                           measured.beta_s_per_byte * self.wire_share + CPU_S_PER_BYTE)
         groups = planner.plan(LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte))
         return Planned(groups, [LOW_RANK] * len(groups), line)
+
+    def status(self) -> ChoiceStatus:
+        return ChoiceStatus("forced")
+
+
+class HalfChoice(DenseChoice):
+    """``fp16``: a dense job's choice whose every group runs in float16 on the wire: half
+    the bytes a group, the same start-up."""
+
+    def plan(self, measured: LinearCost, overhead_s: float, planner: RoundPlanner) -> Planned:
+        line = LinearCost(measured.alpha_s, measured.beta_s_per_byte / 2)
+        groups = planner.plan(LinearCost(line.alpha_s + overhead_s, line.beta_s_per_byte))
+        return Planned(groups, [HALF] * len(groups), line)
 
     def status(self) -> ChoiceStatus:
         return ChoiceStatus("forced")

@@ -58,9 +58,11 @@ class Compressor(Protocol):
     """A compressed job's state on this node and what its compressed groups do to the node's
     sum: top-k's ``NodeCompression`` or PowerSGD's ``NodeLowRank``."""
 
-    # the last iteration's dense groups sent some of what compression held back (the
-    # ``done`` reply then does not say "dense")
-    carried: bool
+    @property
+    def carried(self) -> bool:
+        """The last iteration's dense groups sent some of what compression held back (the
+        ``done`` reply then does not say "dense")."""
+        ...
 
     @property
     def dense_work(self) -> bool:

@@ -25,11 +25,13 @@ import numpy as np
 
 from commd.compression.exchange import GroupExchange
 from commd.compression.planning import EXPLORE_RATIOS
-from commd.compression.spec import AutoSpec, LowRankSpec, Spec
+from commd.compression.spec import AutoSpec, HalfSpec, LowRankSpec, Spec
 from commd.compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from commd.engines import Engine
 from commd.engines.buffer_ops import INLINE_BYTES, Buffer, BufferOps, HostOps
+from commd.job.auto import NodeAuto
 from commd.job.compressed import NodeCompression
+from commd.job.half import NodeHalf
 from commd.job.latency import LatencyWindow
 from commd.job.lowrank import NodeLowRank
 from commd.job.measurements import (
@@ -112,8 +114,8 @@ class Pipeline:
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
         self._rows = list(rows)  # each layer's matrix rows (0: a vector), for PowerSGD
-        if isinstance(compression, AutoSpec) and dtype not in COMPRESSIBLE_DTYPES:
-            compression = None  # `auto` leaves half-precision gradients dense
+        if isinstance(compression, AutoSpec | HalfSpec) and dtype not in COMPRESSIBLE_DTYPES:
+            compression = None  # half-precision gradients stay as they are
         self._compression_spec = compression
         self.compression = self._new_compression(node_index, nodes)
         self.mode: Mode = mode_for(self, compression)  # chosen once: the kind of job
@@ -123,11 +125,17 @@ class Pipeline:
         spec = self._compression_spec
         if spec is None:
             return None
+        if isinstance(spec, HalfSpec):
+            return NodeHalf(self.engine, self._executor, self._wire_clock, self.world_size)
         if isinstance(spec, LowRankSpec | AutoSpec):
             share = len(self.buffers) / max(1, self.world_size)
             low_rank = spec.low_rank if isinstance(spec, AutoSpec) else spec
-            return NodeLowRank(low_rank, self.buffers[0], self.sizes, self._rows, self.engine,
+            node = NodeLowRank(low_rank, self.buffers[0], self.sizes, self._rows, self.engine,
                                self._executor, self._wire_clock, share)
+            if isinstance(spec, LowRankSpec):
+                return node
+            return NodeAuto(node, NodeHalf(self.engine, self._executor, self._wire_clock,
+                                           self.world_size))
         exchange = GroupExchange(self.engine, self._executor, node_index, nodes, self.dtype,
                                  self._wire_clock, spec.momentum)
         lower = EXPLORE_RATIOS if spec.ratio is None else ()

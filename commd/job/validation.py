@@ -10,7 +10,7 @@ import math
 
 from commd.compression.costs import EXCHANGES
 from commd.compression.lowrank import LOW_RANK
-from commd.compression.spec import AutoSpec, LowRankSpec, Spec
+from commd.compression.spec import HALF, AutoSpec, HalfSpec, LowRankSpec, Spec
 from commd.compression.topk import SUPPORTED_DTYPES as COMPRESSIBLE_DTYPES
 from commd.compression.topk import parse_compression
 from commd.job import buffers
@@ -97,8 +97,8 @@ def check_register(message: Register, context: JobContext, *, several_nodes: boo
         spec = parse_compression(message.compression)
     except ValueError as exc:
         raise JobError(str(exc)) from None
-    # `auto` takes any dtype: half-precision gradients it never compresses
-    if spec is not None and not isinstance(spec, AutoSpec) and (
+    # `auto` and `fp16` take any dtype: half-precision gradients stay as they are
+    if spec is not None and not isinstance(spec, AutoSpec | HalfSpec) and (
             message.dtype not in COMPRESSIBLE_DTYPES):
         kind = "low-rank" if isinstance(spec, LowRankSpec) else "top-k"
         raise JobError(
@@ -155,8 +155,14 @@ def plan_problem(plan: PeerPlan, layers: int, compression: Spec | None = None) -
         return str(exc)
     if plan.exchanges and len(plan.exchanges) != len(plan.groups):
         return f"{len(plan.exchanges)} exchanges for {len(plan.groups)} groups"
-    low_rank = isinstance(compression, LowRankSpec | AutoSpec)
-    known = {"dense", LOW_RANK} if low_rank else {"dense", *EXCHANGES}
+    if isinstance(compression, AutoSpec):
+        known = {"dense", LOW_RANK, HALF}
+    elif isinstance(compression, LowRankSpec):
+        known = {"dense", LOW_RANK}
+    elif isinstance(compression, HalfSpec):
+        known = {"dense", HALF}
+    else:
+        known = {"dense", *EXCHANGES}
     unknown = sorted(set(plan.exchanges) - known)
     if unknown:
         return f"unknown exchanges {unknown} for compression {compression or 'none'}"

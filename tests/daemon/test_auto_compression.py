@@ -14,8 +14,10 @@ SHAPES = [("w0", [48, 40]), ("b0", [40]), ("w1", [64, 48]), ("b1", [7])]
 ITERATIONS = 45  # report rounds of 10: the first measured at 1, two low-rank ones after
 
 
-def _run(nodes: list, ranks_per_node: int, compression: str, job: str) -> list[dict]:
-    spec = JobSpec(job, nodes, ranks_per_node, SHAPES, op="sum", iterations=ITERATIONS,
+def _run(nodes: list, ranks_per_node: int, compression: str, job: str,
+         dtype: str = "float32") -> list[dict]:
+    spec = JobSpec(job, nodes, ranks_per_node, SHAPES, dtype=dtype, op="sum",
+                   iterations=ITERATIONS,
                    planner="wfbp", compression=compression,
                    overrides={r: {"status_at_end": True}
                               for r in range(len(nodes) * ranks_per_node)})
@@ -37,6 +39,16 @@ def test_auto_on_one_node_runs_dense_and_gives_densess_result(start_daemon) -> N
         assert status["compression"] == "auto"
         assert "one node" in status["choice"], status["choice"]
         assert set(status["exchanges"]) == {"dense"}
+
+
+@pytest.mark.timeout(240)
+def test_auto_takes_half_precision_gradients_and_runs_them_dense(start_daemon) -> None:
+    nodes = [start_daemon(), start_daemon()]
+    auto = _run(nodes, 1, "auto", "auto-half", dtype="bfloat16")
+    dense = _run(nodes, 1, "none", "dense-half", dtype="bfloat16")
+    for ours, theirs in zip(auto, dense, strict=True):
+        assert ours["iterations"] == theirs["iterations"] and all(ours["dense"])
+        assert set(ours["status"]["exchanges"]) == {"dense"}
 
 
 @pytest.mark.timeout(240)

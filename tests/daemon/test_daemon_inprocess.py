@@ -83,11 +83,19 @@ async def test_register_errors_change_nothing(daemon: Daemon, connect: Any,
                               "buffer_token": small.token})
     assert reply["code"] == "invalid" and "optimal" in reply["message"]
     for compression, words in (("topk:0.1:momentum=1", "momentum must be in [0, 1)"),
-                               ("topk:0.1:momentum=" + "9" * 10_000, "not understood")):
+                               ("topk:0.1:momentum=" + "9" * 10_000, "not understood"),
+                               ("powersgd:0", "rank must be in 1..64"),
+                               ("powersgd:4:start=1", "start must be ≥ 2"),
+                               ("powersgd:4:warm=yes", "not understood"),
+                               ("powersgd:4" + ":seed=1" * 5_000, "not understood"),
+                               ("auto:fast", "not understood")):
         reply = await client.ask({**base, "layers": [{"name": "w", "size": 1}],
                                   "compression": compression, "buffer_token": small.token})
         assert reply["code"] == "invalid" and words in reply["message"], reply
         assert len(reply["message"]) < 1000  # the oversized value is not echoed whole
+    reply = await client.ask({**base, "layers": [{"name": "w", "size": 2}], "dtype": "float16",
+                              "compression": "powersgd:4", "buffer_token": small.token})
+    assert reply["code"] == "invalid" and "low-rank compression needs float32" in reply["message"]
     reply = await client.ask({"type": "wait", "iteration": 0})
     assert reply["code"] == "out_of_order" and "wait before register" in reply["message"]
     # After all that, a correct register still works.

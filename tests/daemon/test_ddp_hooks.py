@@ -55,10 +55,11 @@ from typing import Any
 
 import pytest
 import torch
+from rank_records import launch_for_records
 
 from commd.testing.daemons import LocalDaemon, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers, run_stock_launchers, torchrun_env
+from commd.testing.processes import torchrun_env
 
 SCRIPT = Path(__file__).parents[1] / "ddp_hook_worker.py"
 RUN_TIMEOUT_S = 150.0  # one run: 15-30 s on two busy cores
@@ -126,20 +127,9 @@ def run_worker(impl: str, layout: Sequence[int], nodes: list[LocalDaemon], out: 
         envs.append(torchrun_env(base, rank=rank, world_size=world,
                                  local_rank=local.index(rank), local_world_size=len(local),
                                  master_port=port, socket=nodes[node].socket))
-    log = out / "run.log"
-    log.write_bytes(b"")
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--hooks", ",".join(HOOKS)]
-    launch_all = run_launchers if impl == "commd" else run_stock_launchers
-    problem = launch_all([command] * world, envs, [log] * world, RUN_TIMEOUT_S)
-    tail = log.read_text(errors="replace")[-4000:]
-    assert not problem, f"{impl} run: {problem}\n{tail}"
-    records = []
-    for rank in range(world):
-        path = out / f"rank{rank}.pt"
-        assert path.exists(), f"{impl}: rank {rank} left no record\n{tail}"
-        record = torch.load(path)
-        assert "error" not in record, f"{impl}: rank {rank}: {record['error']}\n{tail}"
-        records.append(record)
+    records = launch_for_records(impl, [command] * world, envs, out / "run.log",
+                                 RUN_TIMEOUT_S, out, world, stock=impl != "commd")
     if impl == "commd":
         assert {r["fp16"]["ddp_class"] for r in records} == {COMMD_DDP}
     return Run(records)

@@ -53,11 +53,11 @@ import torch
 
 pytest.importorskip("lightning")
 
+from rank_records import launch_for_records
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from commd.testing.daemons import LocalDaemon, commd_segments, gloo_daemons
 from commd.testing.ports import free_port
-from commd.testing.processes import run_launchers, run_stock_launchers
 from commd_client import CommdError
 
 SCRIPT = Path(__file__).parents[1] / "lightning_worker.py"
@@ -93,19 +93,8 @@ def run_worker(launch: str, strategy: str, phases: str, nodes: list[LocalDaemon]
                  "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"lightning-{port}",
                  "COMMD_SOCKET": nodes[rank].socket} for rank in range(WORLD_SIZE)]
-    log = out / "run.log"
-    launch_all = run_launchers if strategy.startswith("commd") else run_stock_launchers
-    problem = launch_all(commands, envs, [log] * len(commands), RUN_TIMEOUT_S)
-    text = log.read_text(errors="replace")[-6000:]
-    assert not problem, f"{launch}/{strategy}: {problem}\n{text}"
-    records = []
-    for rank in range(ranks):
-        path = out / f"rank{rank}.pt"
-        assert path.exists(), f"{launch}/{strategy}: rank {rank} left no record\n{text}"
-        record = torch.load(path)
-        assert "error" not in record, f"{launch}/{strategy} rank {rank}: {record['error']}"
-        records.append(record)
-    return records
+    return launch_for_records(f"{launch}/{strategy}", commands, envs, out / "run.log",
+                              RUN_TIMEOUT_S, out, ranks, stock=not strategy.startswith("commd"))
 
 
 @pytest.fixture(scope="module")

@@ -51,3 +51,25 @@ def test_powersgd_matches_the_numpy_model_through_two_daemons(start_daemon,
     exact = sum(value(r, last, 0, sizes[0]).astype(np.float32) for r in range(world))
     assert not np.allclose(np.array(results[0]["iterations"][last][0]), exact)
     assert not any(results[0]["dense"][start:])
+
+
+@pytest.mark.timeout(180)
+def test_fp16_sends_float16_and_sums_as_torchs_hook_does(start_daemon) -> None:
+    """``compression="fp16"``: every group dense in float16 on the wire, divided by the
+    job's ranks first; the test's values (small integers, quarters of them) are exact in
+    float16, so the result is the dense sum, bit for bit."""
+    nodes = [start_daemon(), start_daemon()]
+    spec = JobSpec("half-wire", nodes, 2, [(name, list(shape)) for name, shape in SHAPES],
+                   op="sum", iterations=4, planner="wfbp", compression="fp16",
+                   overrides={r: {"status_at_end": True} for r in range(4)})
+    results = collect(start_ranks(spec))
+    sizes = [int(np.prod(shape)) for _, shape in SHAPES]
+    for result in results:
+        assert "error" not in result, result.get("error")
+        assert set(result["status"]["exchanges"]) == {"fp16"}
+        for iteration in range(spec.iterations):
+            for index, size in enumerate(sizes):
+                want = sum(value(r, iteration, index, size).astype(np.float32)
+                           for r in range(4))
+                np.testing.assert_array_equal(
+                    np.array(result["iterations"][iteration][index], dtype=np.float32), want)

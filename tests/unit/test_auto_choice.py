@@ -4,10 +4,11 @@ them (pure: no daemon)."""
 from __future__ import annotations
 
 from commd.compression.lowrank import LOW_RANK
-from commd.compression.spec import AutoSpec, parse_compression
+from commd.compression.spec import HALF, AutoSpec, HalfSpec, parse_compression
 from commd.coordinator.auto_choice import (
     DENSE,
     GAIN_ROUNDS,
+    HALF_SHARE,
     NETWORK_SHARE,
     PAYS,
     WATCH_ROUNDS,
@@ -43,6 +44,7 @@ def feed(choice: AutoChoice, reports: list[PeerProfile]) -> str:
 
 def test_auto_parses_and_composes_its_choice() -> None:
     assert parse_compression("auto") == AutoSpec()
+    assert parse_compression("fp16") == HalfSpec()
     assert isinstance(choice_for("auto", 2, 4, SIZES, ROWS), AutoChoice)
     assert isinstance(choice_for("auto", 2, 2, SIZES, ROWS), DenseChoice)  # 16-bit: dense
 
@@ -82,9 +84,9 @@ def test_a_slow_network_runs_low_rank_and_keeps_it_when_it_pays() -> None:
     assert choice.settled and choice.running == LOW_RANK
     status = choice.status()
     assert "keeps low-rank" in status.why and "against dense 200.0 ms" in status.why
-    names = [name for name, _, _ in status.candidates]
-    assert names == [DENSE, f"{LOW_RANK}:4"]
-    assert all(measured > 0 for _, _, measured in status.candidates)
+    table = {name: measured for name, _, measured in status.candidates}
+    assert list(table) == [DENSE, HALF, f"{LOW_RANK}:4"]
+    assert table[DENSE] > 0 and table[f"{LOW_RANK}:4"] > 0 and table[HALF] == -1.0
 
 
 def test_low_rank_that_does_not_pay_goes_back_to_dense() -> None:
@@ -114,7 +116,26 @@ def test_unmeasured_rounds_decide_nothing() -> None:
     assert not choice.settled and "until the first round" in choice.status().why
 
 
-def test_layers_that_are_no_matrices_stay_dense() -> None:
+def test_layers_that_are_no_matrices_go_float16() -> None:
     choice = AutoChoice(2, SIZES, [0, 0, 0, 0])
-    assert feed(choice, rounds(0.2, 0.1, 1)) == ""
-    assert choice.running == DENSE and "few layers are matrices" in choice.status().why
+    why = feed(choice, rounds(0.2, 0.1, 1))
+    assert choice.running == HALF and "few layers are matrices" in why
+
+
+def test_a_middling_network_runs_float16_and_keeps_it_when_it_pays() -> None:
+    choice = AutoChoice(2, SIZES, ROWS)
+    share = (NETWORK_SHARE + HALF_SHARE) / 2
+    why = feed(choice, rounds(0.2, 0.2 * share, 1))
+    assert choice.running == HALF and "float16 on the wire" in why and "under 30%" in why
+    for number in range(2, 2 + WATCH_ROUNDS):
+        feed(choice, rounds(0.2 * PAYS * 0.9, 0.01, number))
+    assert choice.settled and choice.running == HALF
+    assert "keeps float16 on the wire" in choice.status().why
+
+
+def test_float16_that_does_not_pay_goes_back_to_dense() -> None:
+    choice = AutoChoice(2, SIZES, ROWS)
+    feed(choice, rounds(0.2, 0.2 * 0.2, 1))
+    whys = [feed(choice, rounds(0.2, 0.01, n)) for n in range(2, 2 + WATCH_ROUNDS)]
+    assert "back to dense: float16 on the wire 200.0 ms" in whys[-1]
+    assert choice.running == DENSE and choice.settled

@@ -16,10 +16,11 @@ from commd.compression.lowrank import (
     orthogonalize,
     should_compress,
 )
-from commd.compression.spec import LowRankSpec, parse_compression
-from commd.coordinator.choice import RoundPlanner
+from commd.compression.spec import HALF, LowRankSpec, parse_compression
+from commd.coordinator.choice import DenseChoice, RoundPlanner
 from commd.coordinator.compressed_choice import choice_for
-from commd.coordinator.lowrank_choice import CPU_S_PER_BYTE, GROUP_S, LowRankChoice
+from commd.coordinator.lowrank_choice import CPU_S_PER_BYTE, GROUP_S, HalfChoice, LowRankChoice
+from commd.job.half import scaled_from_half, scaled_to_half
 from commd.job.validation import plan_problem
 from commd.plan import LinearCost
 from commd_protocol import PeerPlan
@@ -144,3 +145,28 @@ def _plan(exchanges: list[str]) -> PeerPlan:
     return PeerPlan(job="j", round=1, effective_iteration=12, version=2, groups=[[1], [0]],
                     alpha_s=1e-4, beta_s_per_byte=1e-9, predicted_comm_s=0.01,
                     exchanges=exchanges)
+
+
+def test_fp16_plans_dense_groups_for_half_the_bytes() -> None:
+    choice = choice_for("fp16", 2, 4, [84, 7], [12, 0])
+    assert isinstance(choice, HalfChoice)
+    planner = RoundPlanner("wfbp", [84 * 4, 7 * 4], [1e-3, 1e-3])
+    planned = choice.plan(LinearCost(1e-4, 1e-9), 0.0, planner)
+    assert planned.exchanges == [HALF] * len(planned.groups)
+    assert planned.line.beta_s_per_byte == pytest.approx(0.5e-9)
+    assert isinstance(choice_for("fp16", 2, 2), DenseChoice)  # 16-bit gradients: as they are
+    assert plan_problem(_plan([HALF, HALF]), 2, parse_compression("fp16")) == ""
+    assert plan_problem(_plan([HALF, LOW_RANK]), 2, parse_compression("auto")) == ""
+    assert "unknown exchanges ['lowrank']" in plan_problem(_plan([HALF, LOW_RANK]), 2,
+                                                           parse_compression("fp16"))
+
+
+def test_the_half_wire_divides_before_the_cast_and_multiplies_after() -> None:
+    total = np.array([3.0, 65504.0 * 3, 1e-3, -7.25], dtype=np.float32)
+    wire = np.empty(4, dtype=np.float16)
+    scaled_to_half(total, wire, 1 / 4)
+    # 65504 · 3 overflows float16 as a sum, not as a quarter of it (torch divides first)
+    assert np.isfinite(wire).all()
+    back = np.empty(4, dtype=np.float32)
+    scaled_from_half(back, wire, 4.0)
+    np.testing.assert_allclose(back, [3.0, 65504.0 * 3, 1e-3, -7.25], rtol=1e-3)
