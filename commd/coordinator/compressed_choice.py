@@ -46,12 +46,13 @@ MAX_SEARCHES = 8
 
 
 def choice_for(compression: str, nodes: int, itemsize: int, sizes: Sequence[int] = (),
-               rows: Sequence[int] = ()) -> PlanChoice:
+               rows: Sequence[int] = (), device: str = "cpu") -> PlanChoice:
     """The choice of a job registered with ``compression`` among ``nodes`` nodes, whose
-    layers have ``sizes`` elements and ``rows`` matrix rows (forward order)."""
+    layers have ``sizes`` elements and ``rows`` matrix rows (forward order), its buffers on
+    ``device``."""
     spec = parse_compression(compression)
-    if spec is None:
-        return DenseChoice()
+    if spec is None or (isinstance(spec, AutoSpec) and device != "cpu"):
+        return DenseChoice()  # a device job's `auto`: dense (its nodes run it so: Pipeline)
     if isinstance(spec, AutoSpec):
         # half-precision gradients stay dense (the nodes run them so: ``Pipeline``)
         return AutoChoice(nodes, list(sizes), list(rows)) if itemsize >= 4 else DenseChoice()

@@ -72,4 +72,4 @@ def replanner_for(join: PeerJoin, nodes: int) -> Replanner:
     return Replanner(join.planner, [layer.size * size for layer in join.layers], nodes=nodes,
                      choice=choice_for(join.compression, nodes, size,
                                        [layer.size for layer in join.layers],
-                                       [layer.rows for layer in join.layers]))
+                                       [layer.rows for layer in join.layers], join.device))

@@ -51,8 +51,10 @@ def check_fields(message: Register) -> str:
             "a host buffer needs buffer_token: hand the buffer over on the buffer socket first"
     from commd.engines.cuda.memory import check_handles
 
-    if message.compression not in ("", "none"):
-        return "top-k compression needs host buffers; register with device='cpu'"
+    if message.compression not in ("", "none", "auto"):
+        # `auto` runs a device job dense: the daemon compresses on its CPU threads
+        return (f"compression {message.compression[:40]!r} needs host buffers; register with "
+                "device='cpu', or compression='auto' (dense on a device)")
     if not message.device_bus_id:
         return "a device buffer needs device_bus_id (the GPU's PCI bus id)"
     return check_handles(message.ipc_handle, message.event_handle, message.ipc_offset)

@@ -114,6 +114,8 @@ class Pipeline:
         self._watch = CollectiveWatch(*watchdog, f"node {node_index} of {nodes}", on_failure,
                                       patient)
         self._rows = list(rows)  # each layer's matrix rows (0: a vector), for PowerSGD
+        if isinstance(compression, AutoSpec) and self.ops.stream_ordered:
+            compression = None  # a device job: the daemon compresses on its CPU threads
         if isinstance(compression, AutoSpec | HalfSpec) and dtype not in COMPRESSIBLE_DTYPES:
             compression = None  # half-precision gradients stay as they are
         self._compression_spec = compression

@@ -53,7 +53,8 @@ async def test_bad_device_fields_are_named(daemon: Daemon, connect: Any) -> None
         ({"event_handle": b""}, "event_handle must be 64 bytes"),
         ({"ipc_offset": -8}, "ipc_offset -8 is outside 0..2**48"),
         ({"device_bus_id": ""}, "needs device_bus_id"),
-        ({"compression": "topk:0.01"}, "top-k compression needs host buffers"),
+        ({"compression": "topk:0.01"}, "compression 'topk:0.01' needs host buffers"),
+        ({"compression": "powersgd:4"}, "compression 'powersgd:4' needs host buffers"),
         ({"device": "cpu"}, "a host buffer needs buffer_token"),
         ({"ipc_handle": "not bytes"}, "$.ipc_handle"),
     ]

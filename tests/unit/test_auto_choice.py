@@ -49,6 +49,10 @@ def test_auto_parses_and_composes_its_choice() -> None:
     assert isinstance(choice_for("auto", 2, 2, SIZES, ROWS), DenseChoice)  # 16-bit: dense
 
 
+def test_auto_on_a_device_job_runs_dense() -> None:
+    assert isinstance(choice_for("auto", 2, 4, SIZES, ROWS, "cuda"), DenseChoice)
+
+
 def test_topk_auto_on_one_node_runs_dense() -> None:
     assert isinstance(choice_for("topk:auto", 1, 4), DenseChoice)
     assert not isinstance(choice_for("topk:auto", 2, 4), DenseChoice)
