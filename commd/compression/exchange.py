@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -42,19 +42,13 @@ from commd.compression.kernels import (
     take_and_clear,
     top_energies,
 )
+from commd.compression.steps import WireSpans, mark_issued, off_loop
 from commd.compression.topk import TopkScratch
 from commd.engines import Engine
-from commd.engines.buffer_ops import INLINE_BYTES
 from commd.engines.completion import Completion
 
 T = TypeVar("T")
 Pairs = tuple[np.ndarray, np.ndarray]  # all nodes' indices and values
-
-
-class WireSpans(Protocol):
-    def span(self, launched: float) -> float:
-        """Seconds on the wire of a collective launched at ``launched`` that just ended."""
-        ...
 
 
 @dataclass
@@ -96,13 +90,11 @@ class GroupExchange:
                      *args: Any) -> tuple[T, float]:
         """``function(buffer, *args)`` and the seconds it ran (not queued): on a worker
         thread, or inline for a small buffer, where the hop would cost more than the work."""
-        def timed() -> tuple[T, float]:
+        def timed(target: np.ndarray) -> tuple[T, float]:
             began = time.perf_counter()
-            return function(buffer, *args), time.perf_counter() - began
+            return function(target, *args), time.perf_counter() - began
 
-        if buffer.nbytes <= INLINE_BYTES:
-            return timed()
-        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+        return await off_loop(self.executor, timed, buffer)
 
     def _scratch(self, error: np.ndarray) -> TopkScratch:
         """A free scratch that fits ``error`` (give it back with ``_scratches.append``)."""
@@ -167,11 +159,11 @@ class GroupExchange:
             if self.engine is not None:
                 began = time.perf_counter()
                 wire = self.engine.allreduce(values, self.dtype)
-                _set(issued)
+                mark_issued(issued)
                 await wire
                 wire_s = self.clock.span(began)
         finally:
-            _set(issued)
+            mark_issued(issued)
         _, took = await self._timed(put, target, indices, values)
         cpu.update_s += took
         cpu.overhead_s = _rest(began_group, waited, wire_s, cpu, lower_s)
@@ -209,11 +201,11 @@ class GroupExchange:
                     wires = [self.engine.allgather(gathered, packed, "uint8")]
                 else:
                     wires, pairs = self._issue_pairs(values, indices)
-                _set(issued)
+                mark_issued(issued)
                 await asyncio.gather(*wires)
                 wire_s = self.clock.span(began)
         finally:
-            _set(issued)
+            mark_issued(issued)
         if gathered is not None:  # checked, and decoded as the pairs are added
             _, took = await self._timed(wire.unpack_add, target, gathered, self.nodes, k, True)
         else:
@@ -264,8 +256,3 @@ def _rest(began: float, waited: float, wire_s: float, cpu: CpuTimes,
 
 def _gain(sent: float, energy: float) -> float:
     return 1.0 if energy <= 0 else min(1.0, sent / energy)
-
-
-def _set(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)

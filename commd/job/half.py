@@ -7,14 +7,13 @@ a float32 group; no error feedback (torch's hook keeps none), so nothing is held
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import numpy as np
 
+from commd.compression.steps import allreduce_in_turn, off_loop
 from commd.engines import Engine
-from commd.engines.buffer_ops import INLINE_BYTES
 from commd.job.measurements import CommSample, IterationGains, WireClock
 from commd.job.schedule import Plan
 from commd_protocol.peer import ALLREDUCE
@@ -44,30 +43,11 @@ class NodeHalf:
         """Group ``index``'s node sum, summed over the nodes in float16, written back into
         ``total`` (the sum over every rank, in float32)."""
         wire = np.empty(total.size, dtype=np.float16)
-        await self._work(scaled_to_half, total, wire, 1.0 / self._world_size)
-        seconds = 0.0
-        try:
-            if not turn.done():
-                await turn
-            if self.engine is not None:
-                began = time.perf_counter()
-                collective = self.engine.allreduce(wire, "float16")
-                _set(issued)
-                await collective
-                seconds = self._clock.span(began)
-        finally:
-            _set(issued)
-        await self._work(scaled_from_half, total, wire, float(self._world_size))
+        await off_loop(self._executor, scaled_to_half, total, wire, 1.0 / self._world_size)
+        seconds = await allreduce_in_turn(self.engine, wire, "float16", turn, issued,
+                                          self._clock)
+        await off_loop(self._executor, scaled_from_half, total, wire, float(self._world_size))
         return 1.0, CommSample((iteration, index), wire.nbytes, seconds, ALLREDUCE)
-
-    async def _work(self, function: Callable[[np.ndarray, np.ndarray, float], None],
-                    total: np.ndarray, wire: np.ndarray, factor: float) -> None:
-        """On a worker thread, or inline for a small group."""
-        if total.nbytes <= INLINE_BYTES:
-            function(total, wire, factor)
-            return
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, function, total, wire, factor)
 
     def end_iteration(self, exchanges: Sequence[str]) -> IterationGains:
         return IterationGains()
@@ -82,8 +62,3 @@ def scaled_to_half(total: np.ndarray, wire: np.ndarray, factor: float) -> None:
 
 def scaled_from_half(total: np.ndarray, wire: np.ndarray, factor: float) -> None:
     np.multiply(wire, factor, out=total, dtype=total.dtype)
-
-
-def _set(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)

@@ -15,7 +15,6 @@ torch's hook does before ``start_powerSGD_iter``.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
@@ -24,8 +23,8 @@ import numpy as np
 
 from commd.compression.lowrank import GroupForm, form_group, initial_q, orthogonalize
 from commd.compression.spec import LowRankSpec
+from commd.compression.steps import allreduce_in_turn, off_loop
 from commd.engines import Engine
-from commd.engines.buffer_ops import INLINE_BYTES
 from commd.job.measurements import CommSample, IterationGains, WireClock
 from commd.job.schedule import Plan
 from commd_protocol.layout import backward_offsets
@@ -148,29 +147,11 @@ class NodeLowRank:
 
     async def _allreduce(self, buffer: np.ndarray, turn: asyncio.Future[None] | None,
                          issued: asyncio.Future[None], last: bool) -> float:
-        """Sum ``buffer`` over the nodes after ``turn``; ``issued`` is set once the group's
-        ``last`` collective is. Returns its seconds on the wire."""
-        try:
-            if turn is not None and not turn.done():
-                await turn
-            if self.engine is None:
-                return 0.0
-            began = time.perf_counter()
-            wire = self.engine.allreduce(buffer, str(buffer.dtype))
-            if last:
-                _set(issued)
-            await wire
-            return self._clock.span(began)
-        finally:
-            if last:
-                _set(issued)
+        return await allreduce_in_turn(self.engine, buffer, str(buffer.dtype), turn, issued,
+                                       self._clock, last)
 
     async def _work(self, function: Callable[..., T], buffer: np.ndarray, *args: Any) -> T:
-        """``function(buffer, *args)`` on a worker thread, or inline for a small group."""
-        if buffer.nbytes <= INLINE_BYTES:
-            return function(buffer, *args)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: function(buffer, *args))
+        return await off_loop(self._executor, function, buffer, *args)
 
     def end_iteration(self, exchanges: Sequence[str]) -> IterationGains:
         gains = IterationGains(float(np.mean(self.gains)) if self.gains else 1.0)
@@ -252,8 +233,3 @@ def _decompress(total: np.ndarray, error: np.ndarray | None, form: GroupForm,
 
 def _matrix(flat: np.ndarray, start: int, rows: int, cols: int) -> np.ndarray:
     return flat[start:start + rows * cols].reshape(rows, cols)
-
-
-def _set(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
