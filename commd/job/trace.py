@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
+from commd.compression.costs import EXCHANGES as TOPK_EXCHANGES
 from commd.compression.topk import topk_count
 from commd.job.schedule import Plan
 from commd.job.state import JobError
@@ -142,20 +143,23 @@ class TraceRecorder:
         self._at["summed", iteration, index] = self._local_sum(iteration, self._plan, index)
 
     def exchanged(self, iteration: int, index: int, gain: float, wire_s: float) -> None:
-        """A top-k group's exchange is done; ``wire_s``: its collectives' share of it."""
+        """A compressed group's exchange (top-k, low-rank or float16) is done; ``wire_s``:
+        its collectives' share of it."""
         plan = self._plan
         if iteration < self._first or plan is None:
             return
         now = self._at["wire", iteration, index] = time.monotonic()
         began = self._at.get(("summed", iteration, index), now)
         exchange, (start, stop) = plan.exchanges[index], plan.spans[index]
-        k = topk_count(stop - start, plan.ratio)
-        self._span("compression", iteration, plan, index, began, now, exchange=exchange, k=k,
-                   ratio=plan.ratio, gain=round(gain, 6), wire_ms=round(wire_s * 1e3, 6))
-        # The collectives run between the selection and the scatter: drawn at the end.
+        # k and the ratio are top-k's; a low-rank or float16 group has neither.
+        topk: dict[str, int] = (
+            {"k": topk_count(stop - start, plan.ratio)} if exchange in TOPK_EXCHANGES else {})
+        ratio: dict[str, float] = {"ratio": plan.ratio} if topk else {}
+        self._span("compression", iteration, plan, index, began, now, exchange=exchange,
+                   **topk, **ratio, gain=round(gain, 6), wire_ms=round(wire_s * 1e3, 6))
+        # The collectives run between the arithmetic before and after: drawn at the end.
         wire_began, self._wire_free = max(began, now - wire_s, self._wire_free), now
-        self._span("wire", iteration, plan, index, wire_began, now,
-                   exchange=exchange, k=k)
+        self._span("wire", iteration, plan, index, wire_began, now, exchange=exchange, **topk)
 
     def finishing(self, iteration: int, index: int, written: asyncio.Future[Any]) -> None:
         """``written`` completes when the group is back in every local rank's buffer."""

@@ -440,7 +440,11 @@ def test_trace_two_daemons_with_two_ranks_each(start_daemon: Any, tmp_path: Path
     topk = JobSpec("topk", nodes, 1, layers[:2], iterations=100_000, planner="wfbp",
                    timeout=30, compression="topk:0.1:allgather",
                    overrides={r: {**slow, "backward_sleep_s": [0.004] * 2} for r in range(2)})
-    processes = start_ranks(dense) + start_ranks(topk)
+    # A low-rank group has no k and no ratio: its trace names the exchange and its gain.
+    lowrank = JobSpec("lowrank", nodes, 1, [("w", [64, 32]), ("b", 32)], iterations=100_000,
+                      planner="wfbp", timeout=30, compression="powersgd:2:start=2",
+                      overrides={r: {**slow, "backward_sleep_s": [0.004] * 2} for r in range(2)})
+    processes = start_ranks(dense) + start_ranks(topk) + start_ranks(lowrank)
     try:
         await_registered(processes)
         out = tmp_path / "dense.json"
@@ -461,6 +465,14 @@ def test_trace_two_daemons_with_two_ranks_each(start_daemon: Any, tmp_path: Path
             assert len(chosen) == 2 * 2 and {e["args"]["exchange"] for e in chosen} == \
                 {"allgather"}
             assert all(e["args"]["k"] >= 1 and 0 < e["args"]["gain"] <= 1 for e in chosen)
+        out = tmp_path / "lowrank.json"
+        result = trace_cli(*sockets([n.socket for n in nodes]), "--job", "lowrank", "-n", "2",
+                           "-o", str(out))
+        assert result.returncode == 0, result
+        for events in check_chrome_trace(json.loads(out.read_text())).values():
+            chosen = [e for e in events if e["cat"] == "compression"]
+            assert chosen and {e["args"]["exchange"] for e in chosen} == {"lowrank"}
+            assert all("k" not in e["args"] and "ratio" not in e["args"] for e in chosen)
         line = one_error_line(trace_cli("--socket", nodes[0].socket, "--job", "nobody"))
         assert line == f"commd: {nodes[0].socket}: no job 'nobody' on this daemon; " \
             "`commd status` lists them"
