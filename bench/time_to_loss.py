@@ -27,7 +27,10 @@ Configurations (``--configs``), run alternately (ABC…CBA…ABC…), ``--repeat
   compression) the wrapper refuses fails that configuration with its CommdError, printed and
   kept in the JSON and the table; the others go on;
 - ``single``: one process without DDP on rank 0's batches: the compute-only limit of a step;
-  its curve is what one node alone learns in the same wall time (half the data per step).
+  its curve is what one node alone learns in the same wall time (half the data per step);
+- ``pair``: two such processes side by side, each on its own batches, exchanging nothing: the
+  compute-only limit where the ranks share the machine's cores (as here, 2 cores for 2 ranks
+  and their daemons); its curve is one node's.
 
 **The target and the headline.** Per rate, the *best baseline* is whichever of ``powersgd`` and
 ``fp16`` ends ``--steps`` steps at the lower validation loss (the first in ``--configs`` on a
@@ -101,6 +104,9 @@ DEFAULT_JSON = "bench/results/time-to-loss.json"
 MOMENTUM = 0.9
 HOOKS = {"fp16": "fp16 hook", "powersgd": "PowerSGD hook"}  # torch comm hooks: name → label
 _JOBS = itertools.count()
+# Where a step's time goes, medians per rank: both DDPs wait for the all-reduced gradients at
+# the end of backward (an autograd callback), so the exposed communication is backward's.
+STEP_PARTS = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,8 @@ class Config:
     def label(self) -> str:
         if self.impl == "single":
             return "single process (no DDP)"
+        if self.impl == "pair":
+            return "two processes (no DDP)"
         if self.impl == "torch":
             return {"none": "torch DDP", "fp16": "torch DDP + fp16 hook",
                     "powersgd": "torch DDP + PowerSGD"}[self.hook]
@@ -139,8 +147,10 @@ TORCH = Config("torch")
 FP16 = Config("torch", hook="fp16")
 POWERSGD = Config("torch", hook="powersgd")
 SINGLE = Config("single")
+PAIR = Config("pair")
 BASELINES = (POWERSGD, FP16)  # the strongest torch ships (design.md, principle 15)
-BY_LABEL = {config.label: config for config in (TORCH, FP16, POWERSGD, SINGLE)}
+BY_LABEL = {config.label: config for config in (TORCH, FP16, POWERSGD, SINGLE, PAIR)}
+NO_DDP = ("single", "pair")
 
 
 def config_of(entry: str) -> Config:
@@ -152,6 +162,8 @@ def config_of(entry: str) -> Config:
         return Config("torch", hook=entry)
     if entry == "single":
         return SINGLE
+    if entry == "pair":
+        return PAIR
     if entry.startswith("commd:"):
         compression, plus, hook = entry.removeprefix("commd:").rpartition("+")
         if not plus:
@@ -161,7 +173,7 @@ def config_of(entry: str) -> Config:
         if not compression:
             raise ValueError("name the compression, e.g. commd:none or commd:none+fp16")
         return Config("commd", compression, hook)
-    raise ValueError("use torch, fp16, powersgd, single, commd:COMPRESSION or "
+    raise ValueError("use torch, fp16, powersgd, single, pair, commd:COMPRESSION or "
                      "commd:COMPRESSION+HOOK (e.g. commd:none, commd:topk:auto, "
                      "commd:none+fp16)")
 
@@ -281,7 +293,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     windows = text_lm.validation_windows(text_lm.as_tensor(corpus.held_out),
                                          spec["val_windows"])
     model = text_lm.build_model()
-    wrapped, close = (model, _nothing) if spec["impl"] == "single" else wrap(model, spec)
+    wrapped, close = (model, _nothing) if spec["impl"] in NO_DDP else wrap(model, spec)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=spec["lr"],
                                 momentum=0.0 if daemon_momentum(spec) > 0 else MOMENTUM)
     # A linear warm-up: without it the first steps of momentum SGD throw the loss far above
@@ -290,6 +302,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer, lambda step: min(1.0, (step + 1) / spec["warmup"]))
     evaluate_at = set(spec["eval_steps"])
     clock, curve, step_ms, train_loss = 0.0, [], [], []
+    parts: list[tuple[float, float, float]] = []  # forward, backward, the optimizer's step
     for step in range(spec["steps"] + 1):
         if step in evaluate_at:  # every rank evaluates, so neither waits for the other
             curve.append([step, round(clock, 4), text_lm.evaluate(model, windows)])
@@ -299,10 +312,13 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = text_lm.loss(wrapped(inputs), targets)
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         optimizer.step()
         lr_schedule.step()
         took = time.perf_counter() - start
+        parts.append((forward - start, backward - forward, start + took - backward))
         clock += took
         step_ms.append(round(1e3 * took, 2))
         train_loss.append(round(float(loss.detach()), 4))
@@ -311,7 +327,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
            else "")
     close()
     return {"curve": curve, "step_ms": step_ms, "train_loss": train_loss, "ran": ran,
-            "checksum": checksum}
+            "checksum": checksum,
+            "step_parts_ms": {name: round(1e3 * statistics.median(p[i] for p in parts), 2)
+                              for i, name in enumerate(STEP_PARTS)}}
 
 
 # --- jobs, repeats, rates -------------------------------------------------------------------------
@@ -336,7 +354,10 @@ class Outcome:
         return [(points[0][0], statistics.fmean(p[1] for p in points),
                  statistics.fmean(p[2] for p in points)) for points in zip(*curves, strict=True)]
 
-    def agree(self) -> bool:
+    def agree(self) -> bool | None:
+        """Whether every repeat's ranks ended equal (None: ranks that train apart)."""
+        if any(r["agree"] is None for r in self.repeats):
+            return None
         return all(r["agree"] for r in self.repeats)
 
 
@@ -381,7 +402,10 @@ def run_job(config: Config, nodes: Sequence[ddp_compare.Node], args: argparse.Na
             process.wait()
         raise
     results = ddp_compare.rank_results(processes, used, args.timeout, config.label)
-    return {**results[0], "agree": len({round(r["checksum"], 6) for r in results}) == 1}
+    # two processes without DDP train apart: nothing to agree on
+    agree = (None if config.impl in NO_DDP
+             else len({round(r["checksum"], 6) for r in results}) == 1)
+    return {**results[0], "agree": agree}
 
 
 @contextlib.contextmanager
@@ -415,7 +439,9 @@ def run_rate(rate: str, nodes: Sequence[ddp_compare.Node], configs: Sequence[Con
                 continue
             outcome.repeats.append(result)
             print(f"  {rate} #{repeat + 1} {config.label}: median step "
-                  f"{statistics.median(result['step_ms']):.1f} ms, validation loss "
+                  f"{statistics.median(result['step_ms']):.1f} ms ("
+                  + ", ".join(f"{k} {v:.0f}" for k, v in result["step_parts_ms"].items())
+                  + "), validation loss "
                   f"{result['curve'][-1][2]:.3f} after {result['curve'][-1][1]:.1f} s, ran "
                   f"{result['ran'] or '-'}, ranks agree {result['agree']} "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -446,8 +472,8 @@ def summarise(outcomes: Mapping[Config, Outcome]) -> dict[str, Any]:
     best_ms = outcomes[best].median_ms() if best else None
     best_time = (time_to_loss([(w, v) for _, w, v in best_curve], target)
                  if target is not None else None)
-    single = outcomes.get(SINGLE)
-    single_ms = single.median_ms() if single else None
+    limits = {config: outcome.median_ms() for config, outcome in outcomes.items()
+              if config in (SINGLE, PAIR)}
     rows: dict[str, Any] = {}
     for config, outcome in outcomes.items():
         curve = outcome.mean_curve()
@@ -473,8 +499,14 @@ def summarise(outcomes: Mapping[Config, Outcome]) -> dict[str, Any]:
         }
     return {"best_baseline": best.label if best else None, "target_loss": target,
             "target_step": target_step, "best_time_s": best_time,
-            "compute_limit_x": single_ms / best_ms if single_ms and best_ms else None,
+            "compute_limit_x": limit_x(limits.get(SINGLE), best_ms),
+            "shared_cores_limit_x": limit_x(limits.get(PAIR), best_ms),
             "configs": rows}
+
+
+def limit_x(limit_ms: float | None, best_ms: float | None) -> float | None:
+    """A limit's step × the best baseline's (None where either did not run)."""
+    return limit_ms / best_ms if limit_ms and best_ms else None
 
 
 def headline(summary: Mapping[str, Any]) -> str:
@@ -488,6 +520,9 @@ def headline(summary: Mapping[str, Any]) -> str:
     if summary["compute_limit_x"] is not None:
         words += (f"; compute-only limit (the single process's step): "
                   f"{summary['compute_limit_x']:.2f}× its step")
+    if summary.get("shared_cores_limit_x") is not None:
+        words += (f"; on the shared cores (two processes without DDP side by side): "
+                  f"{summary['shared_cores_limit_x']:.2f}×")
     return words
 
 
@@ -508,7 +543,7 @@ def table(summary: Mapping[str, Any]) -> str:
             "-" if at_step is None else f"{at_step:.3f}", f"{last_loss:.3f} @ {last_step}",
             "not reached" if reach is None else f"{reach:.1f}", ratio(row["time_x_best"]),
             "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}",
-            ", ".join(row["ran"]) or "-", "yes" if row["agree"] else "NO",
+            ", ".join(row["ran"]) or "-", {None: "-", True: "yes", False: "NO"}[row["agree"]],
         ])
     target, step = summary["target_loss"], summary["target_step"]
     header = ["configuration", "median step ms", "step × best baseline",
@@ -583,7 +618,7 @@ COLOURS = {"torch DDP": "black", "torch DDP + fp16 hook": "tab:purple",
            "commd dense + fp16 hook": "tab:cyan", "commd dense + PowerSGD hook": "tab:pink",
            "commd powersgd:4:start=10": "tab:red", "commd auto": "tab:green",
            "commd topk:auto": "tab:olive", "commd topk:auto:momentum=0.9": "tab:brown",
-           "single process (no DDP)": "grey"}
+           "single process (no DDP)": "grey", "two processes (no DDP)": "silver"}
 
 
 def plot(path: str, result: dict[str, Any]) -> None:
@@ -605,7 +640,7 @@ def plot(path: str, result: dict[str, Any]) -> None:
                 continue
             losses = [loss for _, loss in row["val_loss"]]
             later += losses[1:]
-            style = (":" if label.startswith("single") else
+            style = (":" if label.startswith(("single", "two processes")) else
                      "--" if label.startswith("torch DDP") else "-")
             ax.plot(row["wall_s"], losses, style, marker=".", label=label,
                     color=COLOURS.get(label), linewidth=1.4)

@@ -137,18 +137,19 @@ def test_evaluations_include_the_baselines_last_step_and_the_last() -> None:
 
 def test_every_form_of_configuration_parses_and_names_itself_back() -> None:
     configs = bench.parse_configs("torch,fp16,powersgd,commd:none,commd:none+fp16,"
-                                  "commd:none+powersgd,commd:topk:auto:momentum=0.9,single")
+                                  "commd:none+powersgd,commd:topk:auto:momentum=0.9,single,"
+                                  "pair")
     assert configs == [
         bench.TORCH, bench.Config("torch", hook="fp16"), bench.Config("torch", hook="powersgd"),
         bench.Config("commd"), bench.Config("commd", "none", "fp16"),
         bench.Config("commd", "none", "powersgd"),
-        bench.Config("commd", "topk:auto:momentum=0.9"), bench.SINGLE]
+        bench.Config("commd", "topk:auto:momentum=0.9"), bench.SINGLE, bench.PAIR]
     assert [c.label for c in configs] == [
         "torch DDP", "torch DDP + fp16 hook", "torch DDP + PowerSGD", "commd dense",
         "commd dense + fp16 hook", "commd dense + PowerSGD hook",
-        "commd topk:auto:momentum=0.9", "single process (no DDP)"]
+        "commd topk:auto:momentum=0.9", "single process (no DDP)", "two processes (no DDP)"]
     assert [bench.config_of(c.name) for c in configs] == configs
-    assert [c.ranks for c in configs] == [2] * 7 + [1]
+    assert [c.ranks for c in configs] == [2] * 7 + [1, 2]
     assert set(bench.BASELINES) == {configs[1], configs[2]}
     assert all(label in bench.COLOURS for label in (c.label for c in configs))
 
@@ -291,8 +292,8 @@ def test_only_the_daemons_momentum_takes_the_optimizers() -> None:
 # --- the best baseline and the time to its loss ---------------------------------------------------
 
 
-def outcome(curve: list[list[float]], ms: float) -> Any:
-    return bench.Outcome(repeats=[{"curve": curve, "step_ms": [ms] * 3, "agree": True,
+def outcome(curve: list[list[float]], ms: float, agree: bool | None = True) -> Any:
+    return bench.Outcome(repeats=[{"curve": curve, "step_ms": [ms] * 3, "agree": agree,
                                    "ran": "", "train_loss": [4.0] * 3}])
 
 
@@ -335,6 +336,8 @@ def sample_outcomes() -> dict[Any, Any]:
             "commd: the PowerSGD hook cannot run in commd's daemon\n"]),
         bench.SINGLE: outcome([[0, 0.0, 5.0], [10, 0.6, 4.6], [20, 1.2, 4.2],
                                [30, 1.8, 4.0]], 60.0),
+        bench.PAIR: outcome([[0, 0.0, 5.0], [10, 0.9, 4.6], [20, 1.8, 4.2],
+                             [30, 2.7, 4.0]], 90.0, agree=None),
     }
 
 
@@ -344,6 +347,7 @@ def test_the_summary_measures_every_config_against_the_best_baselines_final_loss
     assert (summary["target_loss"], summary["target_step"]) == (3.0, 20)
     assert summary["best_time_s"] == 6.0
     assert summary["compute_limit_x"] == pytest.approx(0.2)  # 60 ms against fp16's 300
+    assert summary["shared_cores_limit_x"] == pytest.approx(0.3)  # two side by side: 90 ms
     rows = summary["configs"]
     best = rows["torch DDP + fp16 hook"]
     assert (best["time_to_target_s"], best["time_x_best"], best["step_x_best"]) == (6.0, 1.0, 1.0)
@@ -365,6 +369,12 @@ def test_the_summary_measures_every_config_against_the_best_baselines_final_loss
     assert failed["errors"] == ["commd_protocol.CommdError: commd: the PowerSGD hook cannot "
                                 "run in commd's daemon"]
     assert rows["single process (no DDP)"]["step_x_best"] == pytest.approx(0.2)
+    # two processes without DDP train apart: nothing to agree on, "-" in the table
+    assert rows["two processes (no DDP)"]["agree"] is None
+    assert rows["torch DDP + fp16 hook"]["agree"] is True
+    (pair_row,) = [line for line in bench.table(summary).splitlines()
+                   if line.startswith("| two processes")]
+    assert pair_row.rstrip(" |").endswith("-")
 
 
 def test_a_config_reached_later_than_the_baselines_last_step_counts() -> None:
@@ -447,7 +457,9 @@ def test_the_report_renders_each_rate_from_the_runs_not_the_stored_summary() -> 
     page = report.time_to_loss(data)
     assert page.startswith("**1 Gbit/s** (target: the best baseline, torch DDP + fp16 hook,")
     assert "\n**100 Mbit/s** (target:" in page
-    assert page.count("| commd auto ") == 2 and page.count("not reached") == 6
+    assert "two processes without DDP side by side" in page
+    # not reached: PowerSGD, topk:0.01, the single process and the pair, at each rate
+    assert page.count("| commd auto ") == 2 and page.count("not reached") == 8
     assert page.count("- commd dense + PowerSGD hook failed: commd_protocol.CommdError") == 2
     assert all(len(line) <= 95 for line in page.splitlines() if not line.startswith("|"))
     assert page.rstrip().endswith("[bench/results/time-to-loss.json]"
