@@ -22,7 +22,7 @@ import msgspec
 from commd.coordinator.formation import Deadlines, Formation, replanner_for
 from commd.coordinator.membership import Membership
 from commd.coordinator.replanner import Decision, Replanner
-from commd.coordinator.tolerance import TolerantCoordination, roster_of
+from commd.coordinator.tolerance import Tolerance, roster_of
 from commd.coordinator.validation import (
     JoinLimits,
     comm_problem,
@@ -82,7 +82,7 @@ def _checked_decision(replanner: Replanner, reports: list[PeerProfile],
         return replanner.decide(reports)
 
 
-class Coordinator(TolerantCoordination):
+class Coordinator:
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
                  deadlines: Deadlines = DEFAULT_DEADLINES, limits: JoinLimits | None = None,
                  plan_in_thread: bool = False,
@@ -100,6 +100,12 @@ class Coordinator(TolerantCoordination):
         self._store_port = store_port
         self._jobs: dict[str, Formation] = {}
         self._generation = 0
+        # the tolerant jobs' membership changes: a collaborator lent the jobs and the sockets
+        self._tolerance = Tolerance(self._jobs, self._limits, store_port, send, self)
+
+    def node_closed(self, node: bytes) -> None:
+        """``node``'s daemon closed its connection to us: it died (see Tolerance)."""
+        self._tolerance.node_closed(node)
 
     def on_message(self, node: bytes, message: msgspec.Struct) -> None:
         if isinstance(message, PeerJoin):
@@ -111,17 +117,17 @@ class Coordinator(TolerantCoordination):
         elif isinstance(message, PeerProfile):
             self._on_profile(node, message)
         elif isinstance(message, PeerReformState):
-            self._on_reform_state(node, message)
+            self._tolerance.on_reform_state(node, message)
         elif isinstance(message, PeerFault):
-            self._on_fault(node, message)
+            self._tolerance.on_fault(node, message)
         elif isinstance(message, PeerTakeover):
-            self._on_takeover(node, message)
+            self._tolerance.on_takeover(node, message)
         elif isinstance(message, PeerHeartbeat):
             formation = self._jobs.get(message.job)
             if formation is not None and node in formation.joins:
                 problem = heartbeat_problem(message, formation.joins[node])
                 if problem:
-                    self._abort_all(formation, ErrorCode.INVALID,
+                    self.abort_all(formation, ErrorCode.INVALID,
                                     f"a node's heartbeat is refused: {problem}")
                     return
                 formation.watch.heard(node, time.monotonic(), message)
@@ -129,27 +135,27 @@ class Coordinator(TolerantCoordination):
     def _on_join(self, node: bytes, join: PeerJoin) -> None:
         problem, code = join_problem(join, self._limits)
         if problem:
-            self._refuse(node, join.job, problem, code)
+            self.refuse(node, join.job, problem, code)
             return
         formation = self._jobs.get(join.job)
         if formation is not None and formation.formed and formation.membership is not None:
-            self._admit(formation, node, join)
+            self._tolerance.admit(formation, node, join)
             return
         if formation is not None and formation.formed:
             # A second run under the id of a running one would take its place and stall it.
-            self._refuse(node, join.job, f"a run with this id is already running on "
+            self.refuse(node, join.job, f"a run with this id is already running on "
                          f"{len(formation.joins)} node(s); use a new job id for a new run")
             return
         if formation is None:
-            limit = self._forming_limit(node)
+            limit = self.forming_limit(node)
             if limit:
-                self._refuse(node, join.job, limit, ErrorCode.LIMIT)
+                self.refuse(node, join.job, limit, ErrorCode.LIMIT)
                 return
             formation = self._jobs[join.job] = Formation(join.job, join.world_size)
         problem = self._check(formation, node, join)
         if problem:
             formation.joins[node] = join  # told of the abort with the others
-            self._abort_all(formation, ErrorCode.MISMATCH, problem)
+            self.abort_all(formation, ErrorCode.MISMATCH, problem)
             return
         formation.watch.heard(node, time.monotonic())
         if formation.ranks_joined == formation.world_size:
@@ -221,12 +227,12 @@ class Coordinator(TolerantCoordination):
         formation.watch.heard(node, time.monotonic())
         problem = profile_problem(profile, len(formation.joins[node].layers))
         if problem:
-            self._abort_all(formation, ErrorCode.INVALID, f"a node's report is refused: {problem}")
+            self.abort_all(formation, ErrorCode.INVALID, f"a node's report is refused: {problem}")
             return
         formation.reports.setdefault(profile.round, {})[node] = profile
-        self._decide_if_whole(formation, profile.round)
+        self.decide_if_whole(formation, profile.round)
 
-    def _decide_if_whole(self, formation: Formation, round_number: int) -> None:
+    def decide_if_whole(self, formation: Formation, round_number: int) -> None:
         """Once every node of the job has reported ``round_number``, decide its plan."""
         round_reports = formation.reports[round_number]
         # A joiner reports from its first round on, which its resume fixes; until then it
@@ -255,7 +261,7 @@ class Coordinator(TolerantCoordination):
         if problem is not None:
             log.error("job %s: planning round %d failed", formation.job, round_number,
                       exc_info=problem)
-            self._abort_all(formation, ErrorCode.INVALID, f"planning failed: {problem!r}")
+            self.abort_all(formation, ErrorCode.INVALID, f"planning failed: {problem!r}")
             return
         self._decided(formation, round_number, future.result())
 
@@ -263,7 +269,7 @@ class Coordinator(TolerantCoordination):
                  decision: Decision | str) -> None:
         formation.deciding.discard(round_number)
         if isinstance(decision, str):
-            self._abort_all(formation, ErrorCode.INVALID,
+            self.abort_all(formation, ErrorCode.INVALID,
                             f"a node's report is refused: {decision}")
             return
         if decision.reason != "no drift":
@@ -286,7 +292,7 @@ class Coordinator(TolerantCoordination):
             if member not in formation.joining:  # a joiner gets the plans with its resume
                 self._send(member, message)
 
-    def _abort_all(self, formation: Formation, code: str, message: str) -> None:
+    def abort_all(self, formation: Formation, code: str, message: str) -> None:
         text = prefixed(message, f"job {formation.job!r}: ")
         log.error("%s", text)
         for node in formation.joins:
@@ -298,7 +304,7 @@ class Coordinator(TolerantCoordination):
         if formation is None or node not in formation.joins:
             return  # only a node of the job may abort it
         if formation.membership is not None and abort.code in LOSS_CODES:
-            self._lose(formation, [node],
+            self._tolerance.lose(formation, [node],
                        abort.message.removeprefix(f"commd: job {abort.job!r}: "))
             return
         del self._jobs[abort.job]
@@ -306,14 +312,14 @@ class Coordinator(TolerantCoordination):
             if other != node:
                 self._send(other, abort)
 
-    def _refuse(self, node: bytes, job: str, reason: str,
-                code: ErrorCode = ErrorCode.INVALID) -> None:
+    def refuse(self, node: bytes, job: str, reason: str,
+               code: ErrorCode = ErrorCode.INVALID) -> None:
         """Fail one node's part of a job it joined wrongly; other nodes are not touched."""
         text = prefixed(reason, f"job {job!r}: the coordinator refused this node's join: ")
         log.warning("%s", text)
         self._send(node, PeerAbort(job=job, code=code, message=text))
 
-    def _forming_limit(self, node: bytes) -> str:
+    def forming_limit(self, node: bytes) -> str:
         """'' when a new job may start forming here for ``node``, else which limit it hits."""
         forming = [f for f in self._jobs.values() if not f.formed or f.takeover is not None]
         if len(forming) >= MAX_FORMING:
@@ -328,20 +334,20 @@ class Coordinator(TolerantCoordination):
         for formation in list(self._jobs.values()):
             if formation.takeover is not None:
                 if formation.takeover.complete(now):
-                    self._take_over(formation)
+                    self._tolerance.take_over(formation)
                 continue
             if formation.membership is not None:
                 membership = formation.membership
                 unanswered = membership.unanswered(formation.joins, now)
                 if unanswered:
                     crash = membership.reform is not None and membership.reform.crash
-                    self._lose(formation, unanswered, "its daemon did not answer the reform",
-                               certain=crash)
+                    self._tolerance.lose(formation, unanswered,
+                                         "its daemon did not answer the reform", certain=crash)
             if self._jobs.get(formation.job) is not formation:
                 continue  # the loss ended it
             problem, code = self._overdue(formation, now)
             if problem:
-                self._abort_all(formation, code, problem)
+                self.abort_all(formation, code, problem)
                 expired = True
                 continue
             if self._jobs.get(formation.job) is formation:  # a loss may have ended it
@@ -358,9 +364,10 @@ class Coordinator(TolerantCoordination):
                     "id and coordinator"), ErrorCode.TIMEOUT
         silent = formation.watch.silent(joined, now, limits.peer_s)
         if silent and formation.membership is not None:
-            self._lose(formation, formation.watch.silent_nodes(joined, now, limits.peer_s),
-                       f"its daemon has sent nothing for over {limits.peer_s:g}s",
-                       certain=False)
+            self._tolerance.lose(formation,
+                                 formation.watch.silent_nodes(joined, now, limits.peer_s),
+                                 f"its daemon has sent nothing for over {limits.peer_s:g}s",
+                                 certain=False)
             return "", ErrorCode.TIMEOUT
         if silent:
             return silent, ErrorCode.RANK_LOST
@@ -395,7 +402,7 @@ class Coordinator(TolerantCoordination):
                 and len(formation.joins) > 1:
             formation.membership.left_having_delivered(leave.delivered)
             # Its ranks closed while the others may still train: they go on without it.
-            self._lose(formation, [node], "its ranks closed their clients")
+            self._tolerance.lose(formation, [node], "its ranks closed their clients")
             return
         join = formation.joins.pop(node, None)
         if join is not None:

@@ -2,7 +2,8 @@
 or rank starts a change, the survivors' answers finish it (``membership`` decides where they
 go on), a fitting join comes in, and a job whose coordinator was lost is taken over here.
 
-A mixin of ``Coordinator``: it owns the decisions, the coordinator the sockets and the jobs.
+``Tolerance`` is the ``Coordinator``'s collaborator for them: it owns these decisions, the
+coordinator the sockets, the jobs and the rounds, which it lends through ``CoordinatorSide``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -46,28 +48,42 @@ log = logging.getLogger("commd.coordinator")
 MAX_PLANS_HANDED_OVER = 3  # a node keeps its latest three decisions (``Job.plans_kept``)
 
 
-class TolerantCoordination:
-    """What a coordinator does for its tolerant jobs (mixed into ``Coordinator``)."""
+class CoordinatorSide(Protocol):
+    """What a membership change asks of the coordinator (``Coordinator``)."""
 
-    _jobs: dict[str, Formation]
-    _limits: JoinLimits
-    _store_port: Callable[[str], int]
-    _send: Callable[[bytes, msgspec.Struct], None]
+    def abort_all(self, formation: Formation, code: str, message: str) -> None:
+        """Fail the job on every node of it, with ``message``."""
+        ...
 
-    def _abort_all(self, formation: Formation, code: str, message: str) -> None:
-        raise NotImplementedError
+    def refuse(self, node: bytes, job: str, reason: str,
+               code: ErrorCode = ErrorCode.INVALID) -> None:
+        """Refuse ``node``'s request for ``job`` alone."""
+        ...
 
-    def _refuse(self, node: bytes, job: str, reason: str,
-                code: ErrorCode = ErrorCode.INVALID) -> None:
-        raise NotImplementedError
+    def decide_if_whole(self, formation: Formation, round_number: int) -> None:
+        """Decide ``round_number``'s plan if every node of the job has reported it."""
+        ...
 
-    def _decide_if_whole(self, formation: Formation, round_number: int) -> None:
-        raise NotImplementedError
+    def forming_limit(self, node: bytes) -> str:
+        """'' while ``node`` may start one more job here, else why not."""
+        ...
 
-    def _forming_limit(self, node: bytes) -> str:
-        raise NotImplementedError
 
-    def _lose(self, formation: Formation, nodes: list[bytes], why: str, *,
+class Tolerance:
+    """What a coordinator does for its tolerant jobs: losses, reforms, joins into a running
+    job, takeovers."""
+
+    def __init__(self, jobs: dict[str, Formation], limits: JoinLimits,
+                 store_port: Callable[[str], int],
+                 send: Callable[[bytes, msgspec.Struct], None],
+                 coordinator: CoordinatorSide) -> None:
+        self._jobs = jobs  # the coordinator's, shared: a takeover adds a job to it
+        self._limits = limits
+        self._store_port = store_port
+        self._send = send
+        self._coordinator = coordinator
+
+    def lose(self, formation: Formation, nodes: list[bytes], why: str, *,
               certain: bool = True) -> None:
         """``nodes`` are gone from a tolerant job: the survivors move to a new epoch, or the
         job fails when fewer than min_world_size ranks remain.
@@ -104,20 +120,20 @@ class TolerantCoordination:
         if self._too_few(formation, change):
             return
         if not certain and 2 * len(formation.joins) < before:
-            self._abort_all(formation, ErrorCode.RANK_LOST, (
+            self._coordinator.abort_all(formation, ErrorCode.RANK_LOST, (
                 f"{change}; {len(formation.joins)} of the epoch's {before} nodes remain "
                 "reachable, not a majority nor a half: silence cannot tell a crash from a "
                 "network split, and the other side may go on"))
             return
         self._reform(formation, change)
         for round_number in sorted(formation.reports):  # rounds that waited for the lost
-            self._decide_if_whole(formation, round_number)
+            self._coordinator.decide_if_whole(formation, round_number)
 
     def _reform(self, formation: Formation, change: str) -> None:
         membership = formation.membership
         assert membership is not None
         if membership.exhausted:
-            self._abort_all(formation, ErrorCode.ENGINE,
+            self._coordinator.abort_all(formation, ErrorCode.ENGINE,
                             f"{change}; the job reformed {membership.fruitless} times without "
                             "finishing an iteration")
             return
@@ -133,9 +149,9 @@ class TolerantCoordination:
         for formation in list(self._jobs.values()):
             if formation.membership is not None and formation.formed \
                     and node in formation.joins and formation.takeover is None:
-                self._lose(formation, [node], "its daemon closed its connection (it stopped)")
+                self.lose(formation, [node], "its daemon closed its connection (it stopped)")
 
-    def _on_fault(self, node: bytes, fault: PeerFault) -> None:
+    def on_fault(self, node: bytes, fault: PeerFault) -> None:
         """A node's collective failed: unless a change already runs, reform the same nodes
         (a peer that vanished without a word is then found by its silence to the reform)."""
         formation = self._jobs.get(fault.job)
@@ -152,7 +168,7 @@ class TolerantCoordination:
         if fault.closed and membership.reform is not None:
             membership.reform.crash = True  # who does not answer this change is dead
 
-    def _admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
+    def admit(self, formation: Formation, node: bytes, join: PeerJoin) -> None:
         """A node asks to join a running tolerant job (a replacement, or more ranks): it is
         taken in at the next change if it fits, else refused alone; the job runs on."""
         if node in formation.joins:
@@ -160,7 +176,7 @@ class TolerantCoordination:
             return
         problem = _admission_problem(formation, node, join)
         if problem:
-            self._refuse(node, join.job, problem, ErrorCode.MISMATCH)
+            self._coordinator.refuse(node, join.job, problem, ErrorCode.MISMATCH)
             return
         assert formation.lowest is not None
         formation.add(node, msgspec.structs.replace(join, layers=formation.lowest.layers))
@@ -195,7 +211,7 @@ class TolerantCoordination:
         formation.watch.heard(node, time.monotonic())
         self._reform(formation, f"rank(s) {added[:20]} on node {node_name(current)} joined")
 
-    def _on_takeover(self, node: bytes, message: PeerTakeover) -> None:
+    def on_takeover(self, node: bytes, message: PeerTakeover) -> None:
         """A node of a tolerant job whose coordinator went silent asks this daemon, the
         roster's next, to coordinate it: gather the roster's nodes, then resume them."""
         join = message.join
@@ -210,9 +226,9 @@ class TolerantCoordination:
                            or count_problem("delivered", message.delivered)
                            or _plans_problem(message))
             if not problem:
-                problem, code = self._forming_limit(node), ErrorCode.LIMIT
+                problem, code = self._coordinator.forming_limit(node), ErrorCode.LIMIT
             if problem:
-                self._refuse(node, message.job, problem, code)
+                self._coordinator.refuse(node, message.job, problem, code)
                 return
             formation = self._jobs[message.job] = Formation(message.job, join.world_size)
             formation.formed = True
@@ -226,11 +242,11 @@ class TolerantCoordination:
                         message.job, message.lost)
         takeover = formation.takeover
         if takeover is None:  # formed here already: this node was given up on, or is late
-            self._refuse(node, message.job, "the job was taken over without this node")
+            self._coordinator.refuse(node, message.job, "the job was taken over without this node")
             return
         problem = "" if formation.lowest is None else _admission_problem(formation, node, join)
         if problem:
-            self._refuse(node, message.job, problem, ErrorCode.MISMATCH)
+            self._coordinator.refuse(node, message.job, problem, ErrorCode.MISMATCH)
             return
         formation.add(node, join)
         formation.watch.heard(node, time.monotonic())
@@ -238,9 +254,9 @@ class TolerantCoordination:
         assert formation.membership is not None
         formation.membership.epoch = max(formation.membership.epoch, message.epoch)
         if takeover.complete(time.monotonic()):
-            self._take_over(formation)
+            self.take_over(formation)
 
-    def _take_over(self, formation: Formation) -> None:
+    def take_over(self, formation: Formation) -> None:
         """Every node of the roster asked (or the wait is over): a new epoch from here."""
         takeover, membership = formation.takeover, formation.membership
         assert takeover is not None and membership is not None and formation.replanner
@@ -249,7 +265,7 @@ class TolerantCoordination:
         if not takeover.decisive:
             # A minority cannot tell the coordinator's crash from its own cut-off: the
             # majority may be training on the other side.
-            self._abort_all(formation, ErrorCode.RANK_LOST, (
+            self._coordinator.abort_all(formation, ErrorCode.RANK_LOST, (
                 f"the coordinator {takeover.lost} is silent and only {len(takeover.peers)} of "
                 f"the epoch's {takeover.roster_nodes} nodes could take over, not a majority: "
                 "this side cannot tell the coordinator's crash from its own cut-off"))
@@ -281,7 +297,7 @@ class TolerantCoordination:
         why = fault.message[:300]
         left = [rank for rank in join.ranks if rank not in lost]
         if not left:
-            self._lose(formation, [node], why)
+            self.lose(formation, [node], why)
             return
         formation.forget(join)
         formation.add(node, msgspec.structs.replace(join, ranks=left))
@@ -297,12 +313,12 @@ class TolerantCoordination:
         ranks = sum(len(join.ranks) for join in formation.joins.values())
         if ranks >= membership.min_world_size:
             return False
-        self._abort_all(formation, ErrorCode.RANK_LOST,
+        self._coordinator.abort_all(formation, ErrorCode.RANK_LOST,
                         f"{change}; {ranks} rank(s) remain, fewer than min_world_size "
                         f"{membership.min_world_size}")
         return True
 
-    def _on_reform_state(self, node: bytes, state: PeerReformState) -> None:
+    def on_reform_state(self, node: bytes, state: PeerReformState) -> None:
         formation = self._jobs.get(state.job)
         if formation is None or formation.membership is None or node not in formation.joins:
             return
@@ -318,7 +334,8 @@ class TolerantCoordination:
         assert membership is not None
         reform, resume = membership.finish()
         if isinstance(resume, str):
-            self._abort_all(formation, ErrorCode.INVALID, f"the reform failed: {resume}")
+            self._coordinator.abort_all(formation, ErrorCode.INVALID,
+                                        f"the reform failed: {resume}")
             return None
         order = survivors_order(formation.joins)
         members = sorted(rank for join in formation.joins.values() for rank in join.ranks)

@@ -16,13 +16,16 @@ from typing import Any
 
 import msgspec
 
-from commd.engines import Engine
+from commd.engines import Engine, EngineError
 from commd.engines.buffer_ops import BufferOps
-from commd.job import buffers, epochs, replies, setup, validation
+from commd.job import buffers, replies, setup, validation
+from commd.job.lifecycle import Lifecycle
 from commd.job.members import Members
+from commd.job.membership import Membership, stamp
 from commd.job.pipeline import Pipeline, PipelineSnapshot, Plan, ReadyError, make_plan
 from commd.job.reporting import Reporter, job_status, join_request
 from commd.job.state import Epochs, JobContext, JobError, JobState, Liveness, LocalRank
+from commd.job.tolerant import TolerantPipeline
 from commd.job.trace import TraceRecorder
 from commd_protocol import (
     Error,
@@ -46,14 +49,17 @@ log = logging.getLogger("commd.jobs")
 
 
 class Job:
+    """One job on this node: the owner of its state (``Lifecycle``, moved only here), its
+    local ranks (``Members``), its membership (``Membership``), and what set-up built: the
+    engine, the data plane and its reporter."""
+
     def __init__(self, hello: Hello, context: JobContext) -> None:
         self.id = hello.job
         self.world_size = hello.world_size
         self.local_world_size = hello.local_world_size
-        self.coordinator = hello.coordinator
         self.ctx = context
         self.members = Members(hello)
-        self.state = JobState.FORMING
+        self._life = Lifecycle(hello.job)
         self.failure: Error | None = None
         self.setup: PeerSetup | None = None
         self.engine: Engine | None = None
@@ -67,14 +73,37 @@ class Job:
         self.started = time.monotonic()  # the first hello: forming has a deadline (deadlines)
         self.liveness = Liveness()  # the coordinator's messages, the job-wide stall
         self.failed_at = 0.0
-        self.epochs = Epochs()  # fault_tolerance="continue": the membership's epochs
+        # who coordinates, and under fault_tolerance="continue" the epochs and their changes
+        self.membership = Membership(self.id, self.world_size, hello.coordinator, context,
+                                     self.members, self)
         self._done_epoch = 0  # the epoch the last finished iteration ran in
-        self.plans_waiting: list[PeerPlan] = []  # plans that came before the pipeline
         self._closed = False
+
+    @property
+    def state(self) -> JobState:
+        return self._life.state
+
+    def _move(self, to: JobState) -> JobState:
+        """The one writer of the job's state (IllegalTransition for an edge the table does
+        not hold); returns the state left."""
+        return self._life.move(to)
+
+    @property
+    def coordinator(self) -> str:
+        """The coordinator's peer address: the launch-time one until a takeover."""
+        return self.membership.coordinator
 
     @property
     def coordinator_host(self) -> str:
         return split_host_port(self.coordinator)[0]
+
+    @property
+    def epochs(self) -> Epochs:
+        return self.membership.epochs
+
+    @property
+    def tolerant_pipeline(self) -> TolerantPipeline | None:
+        return self.pipeline if isinstance(self.pipeline, TolerantPipeline) else None
 
     @property
     def starting(self) -> bool:
@@ -134,7 +163,7 @@ class Job:
             raise JobError(f"rank {member.rank} does not fit the running job {self.id!r}: "
                            f"{problem}", ErrorCode.MISMATCH)
         self._attach(member, message, host_fd)
-        epochs.ask_to_rejoin(self)
+        self.membership.ask_to_rejoin()
 
     def _checked(self, message: Register) -> Register:
         """``message`` with the daemon's default planner where it names none; JobError when
@@ -170,7 +199,7 @@ class Job:
         self.ctx.send_client(member.identity, reply)
 
     def _join(self) -> None:
-        self.state = JobState.JOINING
+        self._move(JobState.JOINING)
         self.liveness.joined_at = time.monotonic()
         self.ctx.send_peer(self.coordinator, self.join_request())
 
@@ -194,22 +223,50 @@ class Job:
         if problem:
             self.fail(ErrorCode.INVALID, f"the coordinator sent a bad set-up: {problem}")
             return
-        self.state, self.setup = JobState.STARTING, message
+        self._move(JobState.STARTING)
+        self.setup = message
         self.epochs.roster = message.roster
+        if not await self._build(message):
+            return
+        assert self.ops is not None and self.reporter is not None
+        samples: list[list[float]] = []
+        if self.members.first_registration().profile:
+            try:
+                samples = await setup.probe_network(self.engine, self.ops)
+            except EngineError as exc:
+                self.fail(ErrorCode.ENGINE, f"network probe failed: {exc}")
+                return
+            if not self.starting:
+                return
+        self.reporter.probe(samples)
+
+    async def _build(self, place: PeerSetup) -> bool:
+        """Set up engine, device and data plane for ``place`` and take them; False when the
+        set-up failed (the job failed with it) or the job stopped starting meanwhile."""
         try:
-            probe = await setup.set_up(self, message)
+            built = await setup.set_up(self, place)
         except setup.SetupError as exc:
             self.fail(ErrorCode.ENGINE, str(exc))
-            return
-        if probe is not None and self.reporter is not None:
-            self.reporter.probe(probe)
+            return False
+        if built is None:
+            return False
+        self.engine, self.pipeline, self.reporter = built.engine, built.pipeline, built.reporter
+        return True
+
+    async def start_as_joiner(self, place: PeerSetup) -> bool:
+        """Joining → starting: this node joins a running tolerant job at ``place`` (set up as a
+        formed job is, minus the probe: the job's link model is fitted already); whether it
+        is set up and still starting."""
+        self._move(JobState.STARTING)
+        self.setup = place
+        return await self._build(place) and self.starting
 
     def on_plan(self, decision: PeerPlan) -> None:
         """The coordinator's plan for a round; round 0's starts the job."""
         if self.pipeline is None and self.state in (JobState.JOINING, JobState.STARTING):
             # A node joining a running job gets the plans in force right after its resume,
             # while its engine still forms: they wait for its pipeline.
-            self.plans_waiting = [*self.plans_waiting[-7:], decision]
+            self.membership.keep_early_plan(decision)
             return
         # A decision made while a membership change runs is kept too: it is the only copy
         # this node gets (the coordinator sends each once), and an iteration after the
@@ -237,7 +294,7 @@ class Job:
     def _start_running(self, decision: PeerPlan) -> None:
         assert self.pipeline is not None and self.setup is not None
         self.pipeline.start()
-        self.state = JobState.RUNNING
+        self._move(JobState.RUNNING)
         reply = replies.registered(self.setup, decision, self.ops)
         if self.epochs.epoch:  # joined a running job: where it stands, and its members
             reply.iteration, reply.epoch = self.pipeline.iteration, self.epochs.epoch
@@ -300,7 +357,7 @@ class Job:
     def _send_done(self, member: LocalRank, iteration: int, plan: Plan, epoch: int) -> None:
         assert self.pipeline is not None
         reply = replies.done(self.pipeline, member, iteration, plan)
-        member.told_epoch = epochs.stamp(reply, self.epochs, member.told_epoch, epoch)
+        member.told_epoch = stamp(reply, self.epochs, member.told_epoch, epoch)
         self.ctx.send_client(member.identity, reply)
 
     # --- membership epochs (fault_tolerance="continue") ------------------------------------------
@@ -309,7 +366,7 @@ class Job:
         """The data plane failed: a tolerant job waits for its coordinator's reform, any
         other fails."""
         if self.epochs_enabled:
-            epochs.on_collective_failure(self, problem)
+            self.membership.on_collective_failure(problem)
         else:
             self.fail(ErrorCode.ENGINE, f"collective failed: {problem}")
 
@@ -320,12 +377,36 @@ class Job:
 
     def on_reform(self, message: PeerReform) -> None:
         if self.epochs_enabled:
-            epochs.on_reform(self, message)
+            self.membership.on_reform(message)
 
     def on_resume(self, message: PeerResume) -> Coroutine[Any, Any, None] | None:
         """Checked now, in the order the coordinator sent it; what joins the new epoch is
         handed back to run as a task (None: nothing to run)."""
-        return epochs.on_resume(self, message) if self.epochs_enabled else None
+        return self.membership.on_resume(message) if self.epochs_enabled else None
+
+    # what a membership change asks of the job (``membership.JobSide``)
+
+    def stop_data_plane(self) -> tuple[int, bool]:
+        """Running → reforming: the data plane suspended and the engine let go (a collective
+        stuck on the lost peer keeps its old group alive until Gloo gives up on it, see
+        GlooEngine.close); the iterations delivered, and whether the current one waits only
+        for its commit."""
+        pipeline = self.tolerant_pipeline
+        assert pipeline is not None
+        stood = pipeline.suspend()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self._move(JobState.REFORMING)
+        return stood
+
+    def run_in_epoch(self, engine: Engine | None, place: PeerSetup) -> None:
+        """Reforming → running, with the new epoch's engine and place."""
+        self._move(JobState.RUNNING)
+        self.engine, self.setup = engine, place
+
+    def heard_from_coordinator(self) -> None:
+        self.liveness.heard_at = time.monotonic()
 
     def trace(self, recorder: TraceRecorder) -> None:  # a TraceRequest; JobError unless running
         recorder.arm(self._running("trace"), self.members.first_registration(), self.setup)
@@ -349,8 +430,8 @@ class Job:
         """Latch the failure, tell every local rank and (once) the coordinator."""
         if self.state in (JobState.FAILED, JobState.CLOSED):
             return
-        previous = self.state
-        self.state, self.failed_at = JobState.FAILED, time.monotonic()
+        previous = self._move(JobState.FAILED)
+        self.failed_at = time.monotonic()
         text = prefixed(message, f"job {self.id!r}: ")
         self.failure = Error(code=code, message=text, fatal=True)
         log.error("%s", text)
@@ -370,7 +451,7 @@ class Job:
         if member.segment is not None:  # its memory goes now; the job cannot run on without it
             member.segment.close()
         if member.rejoining:  # a replacement not taken in yet: no epoch counted it (if the
-            return  # change asked for takes it in, the resume loses it again: epochs.on_resume)
+            return  # change asked for takes it in, the resume loses it again: Membership)
         # the node goes on with its live ranks; replacements not yet taken in are not any
         others = [m for m in self.members.ranks.values() if not m.left and not m.rejoining]
         if self.epochs_enabled and others and self.pipeline is not None \
@@ -378,7 +459,7 @@ class Job:
             why = (f"rank {member.rank} (pid {member.pid}) exited without closing its client"
                    if lost else f"rank {member.rank} closed its client")
             index = self.members.in_order().index(member)
-            epochs.on_local_loss(self, index, member.rank, why)
+            self.membership.on_local_loss(index, member.rank, why)
             return
         waiting = [m.rank for m in self.members.ranks.values() if m.rejoining and not m.left]
         if waiting and self.state.active:  # nothing left here to take them in
@@ -415,7 +496,7 @@ class Job:
             delivered = self.pipeline.iteration if self.pipeline is not None else -1
             self.ctx.send_peer(self.coordinator, PeerLeave(job=self.id, delivered=delivered))
         if self.state is not JobState.FAILED:
-            self.state = JobState.CLOSED
+            self._move(JobState.CLOSED)
         self._release_engine()
         self._release_buffers()
         if self.ops is not None:

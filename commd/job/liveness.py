@@ -10,7 +10,6 @@ its daemon is alive.
 
 from __future__ import annotations
 
-from commd.job import epochs
 from commd.job.job import Job
 from commd.job.state import JobState
 from commd_protocol import ErrorCode, PeerHeartbeat, PeerStatus, Progress
@@ -38,7 +37,7 @@ def tick(job: Job, now: float, link: str) -> None:
     live = job.liveness
     if job.state.active:
         problem = _coordinator_problem(job, now, link)
-        if problem and job.epochs_enabled and epochs.take_over(job, problem):
+        if problem and job.epochs_enabled and job.membership.take_over(problem):
             return  # a tolerant job asks the next node of its roster to coordinate
         if problem:
             job.fail(ErrorCode.RANK_LOST, problem)

@@ -1,10 +1,11 @@
 """Setting up a formed job on this node, step by step, with one error path.
 
 Once the coordinator has sent ``peer_setup``: the engine joins the job's group (several nodes
-only), the device gets ready for the dtype, the pipeline is made and the network probed; then
-the probe's samples go to the coordinator, whose first plan starts the job. Each step's
-failure is a ``SetupError`` naming the step and the cause; the job fails once with it. A job
-that stops starting meanwhile (failed or closed) is left alone.
+only), the device gets ready for the dtype and the pipeline is made (``set_up`` returns them,
+the job takes them); then the job probes the network (``probe_network``) and the probe's
+samples go to the coordinator, whose first plan starts the job. Each step's failure is a
+``SetupError`` naming the step and the cause; the job fails once with it. A job that stops
+starting meanwhile (failed or closed) is left alone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from commd.compression.topk import parse_compression
@@ -23,7 +25,7 @@ from commd.job.pipeline import Pipeline, Plan
 from commd.job.reporting import Reporter
 from commd.job.state import JobContext, Liveness
 from commd.job.tolerant import TolerantPipeline
-from commd_protocol import ErrorCode, PeerSetup
+from commd_protocol import PeerSetup
 
 
 class SetupError(Exception):
@@ -31,19 +33,30 @@ class SetupError(Exception):
 
 
 class Starting(Protocol):
-    """What the set-up needs of the job it sets up (``Job``; a protocol, not an import)."""
+    """What the set-up reads of the job it sets up (``Job``): its identity, its ranks and
+    buffers, and where the data plane reports. It writes nothing into the job: it returns
+    what it built, and the job takes it (``Built``)."""
 
-    id: str
-    ctx: JobContext
-    world_size: int
-    coordinator: str
-    setup: PeerSetup | None
-    members: Members
-    ops: BufferOps | None
-    engine: Engine | None
-    pipeline: Pipeline | None
-    reporter: Reporter | None
-    liveness: Liveness
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def ctx(self) -> JobContext: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def coordinator(self) -> str: ...
+
+    @property
+    def members(self) -> Members: ...
+
+    @property
+    def ops(self) -> BufferOps | None: ...
+
+    @property
+    def liveness(self) -> Liveness: ...
 
     @property
     def starting(self) -> bool: ...
@@ -55,7 +68,15 @@ class Starting(Protocol):
 
     def on_collective_failure(self, problem: BaseException) -> None: ...
 
-    def fail(self, code: ErrorCode, message: str, *, tell_coordinator: bool = True) -> None: ...
+
+@dataclass(frozen=True)
+class Built:
+    """What the set-up made for the job: its engine (None on one node), its data plane and
+    the reporter the data plane's records go to."""
+
+    engine: Engine | None
+    pipeline: Pipeline
+    reporter: Reporter
 
 
 @contextlib.contextmanager
@@ -66,46 +87,31 @@ def _step(what: str, *failures: type[Exception]) -> Iterator[None]:
         raise SetupError(f"{what} failed: {exc}") from None
 
 
-async def set_up(job: Starting, setup: PeerSetup) -> list[list[float]] | None:
-    """Run every step; the network probe's samples, or None when the job stopped starting.
-    Raises SetupError."""
+async def set_up(job: Starting, setup: PeerSetup) -> Built | None:
+    """Engine (several nodes), device, pipeline for ``setup``'s place (a formed job, or a
+    node joining a running tolerant job); None when the job stopped starting meanwhile
+    (failed or closed), whatever was made closed again. Raises SetupError."""
     assert job.ops is not None
     engine = (await start_engine(job.ctx, job.coordinator_host, job.id, job.ops, setup)
               if setup.nodes > 1 else None)
-    if not job.starting:  # failed or closed while the engine was forming
+    try:
+        if job.starting:
+            with _step("device set-up", EngineError):
+                await job.ops.prepare(job.members.first_registration().dtype)
+    except SetupError:
+        if engine is not None:
+            engine.close()
+        raise
+    if not job.starting:  # failed or closed while the engine formed or the device prepared
         if engine is not None:
             engine.close()
         return None
-    job.engine = engine
-    with _step("device set-up", EngineError):
-        await job.ops.prepare(job.members.first_registration().dtype)
-    if not job.starting:
-        return None
-    job.pipeline, job.reporter = make_pipeline(job)
-    if not job.members.first_registration().profile:
-        return []
-    with _step("network probe", EngineError):
-        return await probe_network(engine, job.ops)
+    pipeline, reporter = make_pipeline(job, engine, setup)
+    return Built(engine, pipeline, reporter)
 
 
-async def set_up_joiner(job: Starting, setup: PeerSetup) -> None:
-    """A node joining a running (tolerant) job: engine, device, pipeline; no probe (the
-    job's link model is fitted already). Raises SetupError."""
-    assert job.ops is not None
-    engine = (await start_engine(job.ctx, job.coordinator_host, job.id, job.ops, setup)
-              if setup.nodes > 1 else None)
-    if not job.starting:
-        if engine is not None:
-            engine.close()
-        return
-    job.engine = engine
-    with _step("device set-up", EngineError):
-        await job.ops.prepare(job.members.first_registration().dtype)
-    if job.starting:
-        job.pipeline, job.reporter = make_pipeline(job)
-
-
-def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
+def make_pipeline(job: Starting, engine: Engine | None,
+                  setup: PeerSetup) -> tuple[Pipeline, Reporter]:
     """The job's data plane, and the reporter its records go to."""
     reg = job.members.first_registration()
     reporter: Reporter | None = None
@@ -116,13 +122,13 @@ def make_pipeline(job: Starting) -> tuple[Pipeline, Reporter]:
         dtype=reg.dtype,
         op=reg.op,
         world_size=job.world_size,
-        engine=job.engine,
+        engine=engine,
         executor=job.ctx.executor,
         on_complete=job.iteration_done,
         on_record=lambda record: reporter.add(record) if reporter else None,
         on_failure=job.on_collective_failure,
-        node_index=job.setup.node_index if job.setup else 0,
-        nodes=job.setup.nodes if job.setup else 1,
+        node_index=setup.node_index,
+        nodes=setup.nodes,
         compression=parse_compression(reg.compression),
         rows=[layer.rows for layer in reg.layers],
         ops=job.ops,

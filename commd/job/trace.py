@@ -5,10 +5,11 @@ holds it in ``Pipeline.trace`` (None when no one traces) and calls it from a few
 behind one ``if self.trace is not None:``: a group's marks are complete (its local sum
 begins), the group is summed, it is on the wire, its write-back is done, the iteration ended
 (the per-layer ready stamps, the plan); and, for a ``fault_tolerance="continue"`` job, the
-job resumed in a new membership epoch (``membership``, from ``commd.job.epochs.on_resume``:
-an instant on the "membership" row). The recorder starts at the pipeline's next whole
-iteration, keeps at most ``MAX_EVENTS`` events, answers the requester once N iterations are
-recorded or the request's timeout passed, and detaches itself.
+job resumed in a new membership epoch (``membership``, from
+``commd.job.membership.Membership``: an instant on the "membership" row). The recorder
+starts at the pipeline's next whole iteration, keeps at most ``MAX_EVENTS`` events, answers
+the requester once N iterations are recorded or the request's timeout passed, and detaches
+itself.
 
 Times are CLOCK_MONOTONIC seconds: the clock of the clients' ready stamps, one per machine.
 On a device (NCCL) the spans show when the work was issued, not when the stream ran it.

@@ -17,7 +17,7 @@ import zmq.asyncio
 from membership_cases import JOB
 
 from commd.daemon.server import Daemon
-from commd.job.epochs import MAX_CHANGE_CHARS
+from commd.job.membership import MAX_CHANGE_CHARS
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     ErrorCode,
