@@ -13,33 +13,57 @@ needs one); the tensors go through commd.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 
+class JoinParticipant(Protocol):
+    """What torch's join protocol asks of commd's wrapper (``DistributedDataParallel``)."""
+
+    require_forward_param_sync: bool  # torch DDP's: whether the next forward syncs
+
+    @property
+    def join_process_group(self) -> Any: ...
+
+    @property
+    def join_rank(self) -> int: ...
+
+    def will_sync_module_buffers(self) -> bool: ...
+
+    def sync_buffers_from(self, source: int) -> None:
+        """Every rank takes rank ``source``'s synced buffers."""
+        ...
+
+    def take_model_from(self, source: int) -> None:
+        """Every rank takes rank ``source``'s parameters (and synced buffers)."""
+        ...
+
+    def shadow_reduction(self) -> None:
+        """Take part in the others' gradient reduction with zeros."""
+        ...
+
+
 class DdpJoinHook(JoinHook):
     """What a joined rank does while others train, and once all have joined."""
 
-    def __init__(self, ddp: Any, divide_by_initial_world_size: bool) -> None:
-        # ddp: commd's DistributedDataParallel (not imported: it imports this module).
+    def __init__(self, ddp: JoinParticipant) -> None:
         self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
-        ddp = self.ddp
+        ddp, group = self.ddp, self.ddp.join_process_group
         if ddp.will_sync_module_buffers():
-            ddp._broadcast_buffers(common_rank(ddp.process_group, ddp.endpoint.rank, False))
-        sync = announce_sync(ddp.process_group, None)
+            ddp.sync_buffers_from(common_rank(group, ddp.join_rank, False))
+        sync = announce_sync(group, None)
         ddp.require_forward_param_sync = sync
         if sync:
-            ddp._reducer.shadow()
+            ddp.shadow_reduction()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
-        ddp._broadcast_model(common_rank(ddp.process_group, ddp.endpoint.rank, is_last_joiner))
+        ddp.take_model_from(common_rank(ddp.join_process_group, ddp.join_rank, is_last_joiner))
 
 
 def common_rank(group: Any, rank: int, candidate: bool) -> int:

@@ -45,6 +45,7 @@ from commd_protocol import CommdError
 from ._torch_common import Broadcaster, Endpoint, as_tensor, broadcast_order, grad_dtype, order_job
 from ._torch_momentum import MomentumCorrection, StepHook, step_hook_for
 from ._torch_slots import Bucket, Slots
+from .client import Client
 
 USED_LAYER = "commd:used"
 _UNUSED_SHOWN = 10  # names in the unused-parameter warning
@@ -99,6 +100,12 @@ class Reducer:
     @property
     def registered(self) -> bool:
         return bool(self._slots.buckets)
+
+    @property
+    def gradient_client(self) -> Client | None:
+        """The client of the gradient job ``<job>`` (the first bucket's): it hears of the
+        membership; None before registration."""
+        return self._slots.buckets[0].client if self._slots.buckets else None
 
     def set_compression(self, compression: str) -> None:
         """Compress as ``compression`` says (a comm hook that maps to the daemon's PowerSGD);

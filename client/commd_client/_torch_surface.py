@@ -22,6 +22,7 @@ no-op, and why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,27 +102,27 @@ class DdpLogger:
     """torch's ``dist.Logger`` for commd's wrapper: the construction data torch records, with
     commd's values (``backend_name`` "commd"); runtime statistics are not sampled."""
 
-    def __init__(self, ddp: Any) -> None:
-        # ddp: commd's DistributedDataParallel (not imported: it imports this module).
-        params = ddp._reducer.params
+    def __init__(self, module: torch.nn.Module, params: Sequence[torch.nn.Parameter], *,
+                 world_size: int, rank: int, broadcast_buffers: bool,
+                 find_unused_parameters: bool, static_graph: bool) -> None:
         self._strs = {
             "backend_name": "commd",
-            "module_name": type(ddp.module).__name__,
+            "module_name": type(module).__name__,
             "device_ids": "",
             "dtypes": ", ".join(sorted({_c_name(p.dtype) for p in params})),
             "comm_hook": "",
         }
         self._ints = {
-            "world_size": ddp.endpoint.world_size,
-            "rank": ddp.endpoint.rank,
+            "world_size": world_size,
+            "rank": rank,
             "output_device": -1,
-            "broadcast_buffers": int(bool(ddp.forward_sync_buffers)),
-            "find_unused_parameters": int(ddp.find_unused_parameters),
+            "broadcast_buffers": int(broadcast_buffers),
+            "find_unused_parameters": int(find_unused_parameters),
             "gradient_as_bucket_view": 1,  # commd's .grad are views of its buffer
             "is_multi_device_module": 0,
             "num_parameter_tensors": len(params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "static_graph": int(ddp.static_graph),
+            "static_graph": int(static_graph),
             # Lightning suggests static_graph=True when this is set: it would change nothing.
             "can_set_static_graph": 0,
             "join_uneven_inputs": 0,

@@ -155,7 +155,10 @@ class DistributedDataParallel(_TorchDDP):
         self._reducer.warn_unused = not find_unused_parameters
         # torch's reducer and logger as far as frameworks call them (Lightning, Accelerate)
         self.reducer = ReducerSurface(self._reducer)  # type: ignore[assignment]
-        self.logger = DdpLogger(self)  # type: ignore[assignment]
+        self.logger = DdpLogger(  # type: ignore[assignment]
+            module, self._reducer.params, world_size=self.endpoint.world_size,
+            rank=self.endpoint.rank, broadcast_buffers=bool(self.forward_sync_buffers),
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph)
         self._hook_registered = False
         # fault_tolerance="continue": what register_state names, the state received on
         # joining a running job, and the iterations the job had completed then
@@ -200,7 +203,8 @@ class DistributedDataParallel(_TorchDDP):
             # The gradient jobs first: they tell a replacement that it joins a running job,
             # which then takes a live peer's state instead of rank 0's initial one.
             self._reducer.register_now()
-            gradients = self._reducer._slots.buckets[0].client
+            gradients = self._reducer.gradient_client
+            assert gradients is not None  # registered just now
             gradients.on_joining = self._give_state
             self.joined_at_step = gradients.joined_at
             if gradients.joined:
@@ -260,9 +264,9 @@ class DistributedDataParallel(_TorchDDP):
     def members(self) -> list[int]:
         """The ranks of the current membership epoch, ascending, as the gradient job last
         reported them (every rank before the first backward)."""
-        buckets = self._reducer._slots.buckets  # the first is the gradient job ``<job>``
-        if buckets:
-            return buckets[0].client.members
+        gradients = self._reducer.gradient_client
+        if gradients is not None:
+            return gradients.members
         return list(range(self.endpoint.world_size))
 
     # --- training -------------------------------------------------------------------------------
@@ -279,7 +283,7 @@ class DistributedDataParallel(_TorchDDP):
                 source = 0
                 if self._join_config.enable:  # rank 0 may have joined: its buffers are stale
                     source = common_rank(self.process_group, self.endpoint.rank, True)
-                self._broadcast_buffers(source)
+                self.sync_buffers_from(source)
             if self._join_config.enable:
                 announce_sync(self.process_group, self._reducer.require_sync)
         output = self.module(*args, **kwargs)
@@ -301,7 +305,9 @@ class DistributedDataParallel(_TorchDDP):
     def will_sync_module_buffers(self) -> bool:
         return self._buffers_sync is not None and self.require_forward_param_sync
 
-    def _broadcast_buffers(self, source: int) -> None:
+    def sync_buffers_from(self, source: int) -> None:
+        """Every rank takes rank ``source``'s synced buffers (each forward, and torch's
+        join protocol)."""
         assert self._buffers_sync is not None
         named = list(self.module.named_buffers())
         # As torch's _sync_buffers: a module called twice before one backward saved these
@@ -310,7 +316,7 @@ class DistributedDataParallel(_TorchDDP):
         with torch.autograd._unsafe_preserve_version_counter(tuple(b for _, b in named)):
             self._buffers_sync.run(named, source)
 
-    def _broadcast_model(self, source: int) -> None:
+    def take_model_from(self, source: int) -> None:
         """Everyone takes rank ``source``'s parameters (and synced buffers): end of a join."""
         named = list(self.module.named_parameters())
         if self.forward_sync_buffers:
@@ -359,7 +365,17 @@ class DistributedDataParallel(_TorchDDP):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> DdpJoinHook:
-        return DdpJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return DdpJoinHook(self)
+
+    @property
+    def join_rank(self) -> int:
+        return self.endpoint.rank
+
+    def shadow_reduction(self) -> None:
+        """A rank out of data takes part in the others' reduction with zeros (torch's join
+        protocol)."""
+        self._reducer.shadow()
 
     @property
     def join_device(self) -> torch.device:

@@ -1,0 +1,74 @@
+"""Messages from the coordinators of this node's jobs, which come back on the links this
+daemon opened to them (``peer_links``): each goes to the job it names, and only from the
+address that coordinates that job. A set-up and a resume start work that awaits (an engine
+forming), run as tasks that the daemon's cleanup cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Mapping
+from typing import Any
+
+from commd.job import liveness
+from commd.job.job import Job
+from commd_protocol import (
+    PeerAbort,
+    PeerMessage,
+    PeerPlan,
+    PeerReform,
+    PeerResume,
+    PeerSetup,
+    PeerStatus,
+)
+
+__all__ = ["JobMessages"]
+
+log = logging.getLogger("commd.server")
+
+
+class JobMessages:
+    """Routes a coordinator's message to its job on this node."""
+
+    def __init__(self, jobs: Mapping[str, Job]) -> None:
+        self._jobs = jobs
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def deliver(self, address: str, message: PeerMessage) -> None:
+        job = self._jobs.get(getattr(message, "job", ""))
+        if job is None or job.coordinator != address:
+            return
+        if isinstance(message, PeerSetup):
+            self._run(job.on_setup(message))
+        elif isinstance(message, PeerPlan):
+            job.on_plan(message)
+        elif isinstance(message, PeerReform):
+            job.on_reform(message)
+        elif isinstance(message, PeerResume):
+            entering = job.on_resume(message)  # checked here, in wire order
+            if entering is not None:
+                self._run(entering)
+        elif isinstance(message, PeerStatus):
+            liveness.on_status(job, message, time.monotonic())
+        elif isinstance(message, PeerAbort):
+            job.on_abort(message)
+
+    def _run(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        with contextlib.suppress(asyncio.CancelledError):
+            if task.exception() is not None:
+                log.error("task failed: %r", task.exception())
+
+    async def close(self) -> None:
+        """Cancel the set-ups and resumes under way, and wait for them to end."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
