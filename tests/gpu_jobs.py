@@ -49,8 +49,10 @@ def run_job(job: str, daemons: list[Any], ranks_per_node: int, *, dtype: str = "
 EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
-def assert_exact(results: list[dict[str, Any]], iterations: int, op: str = "sum",
-                 dtype: str = "float32") -> None:
+def assert_gpu_ranks_exact(results: list[dict[str, Any]], iterations: int, op: str = "sum",
+                           dtype: str = "float32") -> None:
+    """Every gpu_worker rank ran ``iterations`` and its own comparison (the worker checks
+    its device buffers) found sums exact and averages within one rounding of ``dtype``."""
     for result in results:
         assert "error" not in result and result["returncode"] == 0, result
         assert len(result["errors"]) == iterations, result

@@ -90,3 +90,18 @@ def expected(spec: JobSpec, iteration: int) -> list[np.ndarray]:
         for i, (_, size) in enumerate(spec.layers)
     ]
     return [s / spec.world_size for s in sums] if spec.op == "avg" else sums
+
+
+def assert_exact(spec: JobSpec, results: list[dict[str, Any]]) -> None:
+    """Every rank of ``spec`` ran every iteration without an error and saw exactly the
+    reduced values ``expected`` computes, element by element (dense throughout, without
+    compression)."""
+    for result in results:
+        assert "error" not in result, result
+        assert result["returncode"] == 0, result["stderr"]
+        assert len(result["iterations"]) == spec.iterations, result
+        if spec.compression == "none":
+            assert result["dense"] == [True] * spec.iterations, result["dense"]
+        for iteration, layers in enumerate(result["iterations"]):
+            for got, want in zip(layers, expected(spec, iteration), strict=True):
+                np.testing.assert_array_equal(np.array(got), want)

@@ -19,19 +19,16 @@ from commd.daemon.server import Daemon
 from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import RawClient, coordinator_of, hello, peer_dealer, still_serving
+from polling import until
 
 DEADLINE_S = 1.0
+WAIT_S = 90.0  # a wait on the daemon, inside the test's timeout: a hang is named
 
 
 @pytest.fixture
 def daemon_settings() -> dict[str, Any]:
     """The daemon of this module: every deadline is DEADLINE_S, small limits per job."""
     return {"timeout_s": DEADLINE_S, "max_layers": 3, "max_job_bytes": 64}
-
-
-async def until(condition: Any) -> None:
-    while not condition():
-        await asyncio.sleep(0.05)  # polling a condition, bounded by the test timeout
 
 
 @pytest.fixture
@@ -73,7 +70,7 @@ async def test_a_job_missing_a_local_rank_fails_in_time_naming_it(
     assert "did not form on this node within 1s" in reply["message"]
     assert "local ranks [0] registered" in reply["message"]
     assert "local ranks [1] never connected" in reply["message"]
-    await until(lambda: daemon.status().jobs == [])  # forgotten once told
+    await until(lambda: daemon.status().jobs == [], "the job forgotten", WAIT_S)  # once told
 
 
 async def test_a_session_that_never_registers_is_forgotten(daemon: Daemon,
@@ -82,7 +79,7 @@ async def test_a_session_that_never_registers_is_forgotten(daemon: Daemon,
     await client.ask(hello(coordinator=coordinator_of(daemon)))
     reply = await client.receive()
     assert reply["code"] == "timeout" and "said hello but did not register" in reply["message"]
-    await until(lambda: daemon.status().jobs == [])
+    await until(lambda: daemon.status().jobs == [], "the job forgotten", WAIT_S)
     reply = await client.ask({"type": "wait", "iteration": 0})
     assert reply["code"] == "out_of_order" and "before hello" in reply["message"], reply
     await still_serving(client)

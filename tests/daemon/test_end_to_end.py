@@ -6,26 +6,14 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from commd.compression import native
 from commd.testing.processes import kill_all
 
-from ranks import JobSpec, collect, expected, start_ranks
+from ranks import JobSpec, assert_exact, collect, start_ranks
 
 LAYERS = [("conv1.weight", 27), ("conv1.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
-
-
-def assert_exact(spec: JobSpec, results: list[dict]) -> None:
-    for result in results:
-        assert "error" not in result, result
-        assert result["returncode"] == 0, result["stderr"]
-        assert len(result["iterations"]) == spec.iterations
-        assert result["dense"] == [True] * spec.iterations  # no compression: every one dense
-        for iteration, layers in enumerate(result["iterations"]):
-            for got, want in zip(layers, expected(spec, iteration), strict=True):
-                np.testing.assert_array_equal(np.array(got), want)
 
 
 @pytest.mark.timeout(180)

@@ -9,12 +9,12 @@ import time
 from typing import Any
 
 import pytest
-from polling import until
 
 from commd.daemon.ended import KEPT
 from commd.daemon.server import Daemon
 
 from inprocess import hello
+from polling import until
 from ranks import JobSpec, collect, daemon_status, start_ranks
 
 LAYERS = [("conv1.weight", 27), ("conv1.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
@@ -86,7 +86,8 @@ async def test_the_daemon_keeps_the_last_8_ended_jobs(daemon: Daemon, connect: A
         client = connect()
         assert (await client.ask(hello(job=f"j{number}")))["type"] == "welcome"
         await client.send({"type": "goodbye"})
-        await until(lambda n=number: any(r.status.job == f"j{n}" for r in daemon.status().ended))
+        await until(lambda n=number: any(r.status.job == f"j{n}" for r in daemon.status().ended),
+                    f"j{number} among the ended jobs")
     ended = daemon.status().ended
     assert [r.status.job for r in ended] == [f"j{n}" for n in range(KEPT + 1, 1, -1)]
     assert {r.outcome for r in ended} == {"closed while forming"}

@@ -16,7 +16,7 @@ import pytest
 
 from commd.cli.status import query
 
-from gpu_jobs import assert_exact, run_job
+from gpu_jobs import assert_gpu_ranks_exact, run_job
 
 FAKE = {"PYTHONPATH": os.pathsep.join(
     [str(Path(__file__).parents[1] / "fake_cupy"), *os.environ.get("PYTHONPATH", "").split(
@@ -37,7 +37,7 @@ def test_two_ranks_through_device_buffers(start_daemon: Any) -> None:
     daemon = start_daemon("--backend", "auto", env=FAKE)
     assert "chose nccl (NCCL 2.21.5, 1 GPU(s))" in daemon.log()
     results = run_job("fake-two", [daemon], 2, iterations=6, env=FAKE)
-    assert_exact(results, 6)
+    assert_gpu_ranks_exact(results, 6)
     status = query(daemon.socket)
     assert status["backend"] == "nccl" and status["jobs"] == []  # the job is over and gone
 
@@ -47,7 +47,7 @@ def test_two_ranks_through_device_buffers(start_daemon: Any) -> None:
 def test_dtypes_and_ops(start_daemon: Any, dtype: str, op: str) -> None:
     daemon = start_daemon("--backend", "auto", env=FAKE)
     results = run_job(f"fake-{dtype}", [daemon], 3, dtype=dtype, op=op, iterations=3, env=FAKE)
-    assert_exact(results, 3, op, dtype)
+    assert_gpu_ranks_exact(results, 3, op, dtype)
 
 
 def test_a_dead_rank_fails_the_others(start_daemon: Any) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -31,7 +30,7 @@ from commd_protocol.limits import MAX_COUNT, MAX_LOCAL_RANKS, MAX_RANKS
 from commd_protocol.limits import MAX_LAYERS as PROTOCOL_MAX_LAYERS
 
 from inprocess import RawClient, coordinator_of, hand_over, still_serving
-from ranks import JobSpec, collect, expected, start_ranks
+from ranks import JobSpec, assert_exact, collect, start_ranks
 
 MAX_LAYERS = 64  # the daemon's --max-layers in this module
 LAYERS = [{"name": f"l{i}", "size": 2} for i in range(4)]
@@ -481,12 +480,7 @@ def test_after_the_worst_frames_a_two_node_job_is_exact(
     # a real job over both daemons, exact
     layers = [("conv.weight", 432), ("conv.bias", 16), ("fc.weight", 640), ("fc.bias", 10)]
     spec = JobSpec("after-worst", nodes, 1, layers, iterations=4, timeout=60)
-    results = collect(start_ranks(spec))
-    for result in results:
-        assert "error" not in result and result["returncode"] == 0, result
-        for iteration, got in enumerate(result["iterations"]):
-            want = expected(spec, iteration)
-            assert all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want, strict=True))
+    assert_exact(spec, collect(start_ranks(spec)))
     log = coordinator.log()
     assert "the loop goes on" not in log and "Traceback" not in log, log[-2000:]
 

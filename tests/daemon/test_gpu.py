@@ -13,7 +13,7 @@ import pytest
 
 from commd.engines import EngineConfig, host_ops
 
-from gpu_jobs import assert_exact, run_job
+from gpu_jobs import assert_gpu_ranks_exact, run_job
 
 
 def _gpu_ready() -> bool:
@@ -122,7 +122,7 @@ def test_nccl_engine_on_one_rank() -> None:
 def test_two_ranks_share_one_gpu_exactly(start_daemon: Any) -> None:
     daemon = start_daemon("--backend", "nccl")
     results = run_job("gpu-two", [daemon], 2, iterations=50)
-    assert_exact(results, 50)
+    assert_gpu_ranks_exact(results, 50)
     assert "backend nccl" in daemon.log() or "nccl" in daemon.log()
 
 
@@ -131,7 +131,7 @@ def test_two_ranks_share_one_gpu_exactly(start_daemon: Any) -> None:
 def test_dtypes_and_ops_on_one_gpu(start_daemon: Any, dtype: str, op: str) -> None:
     daemon = start_daemon("--backend", "nccl")
     results = run_job(f"gpu-{dtype}-{op}", [daemon], 3, dtype=dtype, op=op, iterations=5)
-    assert_exact(results, 5, op, dtype)
+    assert_gpu_ranks_exact(results, 5, op, dtype)
 
 
 def test_a_dead_rank_fails_the_others(start_daemon: Any) -> None:
@@ -147,6 +147,6 @@ def test_two_nodes_through_nccl_on_one_gpu(start_daemon: Any) -> None:
     nodes = [start_daemon("--backend", "nccl", "--timeout-s", "60",
                           env={**NODE_ENV, "NCCL_HOSTID": f"commd-node-{i}"}) for i in range(2)]
     results = run_job("gpu-nccl", nodes, 1, iterations=20)
-    assert_exact(results, 20)
+    assert_gpu_ranks_exact(results, 20)
     results = run_job("gpu-nccl-avg", nodes, 2, op="avg", dtype="bfloat16", iterations=5)
-    assert_exact(results, 5, "avg", "bfloat16")
+    assert_gpu_ranks_exact(results, 5, "avg", "bfloat16")

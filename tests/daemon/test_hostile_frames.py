@@ -12,7 +12,6 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-from polling import until
 
 from commd.daemon import sdnotify
 from commd.daemon.server import Daemon
@@ -20,6 +19,7 @@ from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import RawClient, hello, peer_dealer, register_job, still_serving
+from polling import until
 
 # ~1 kB frames nested 1000 deep: a bare array, and one inside a message's field.
 NESTED = [b"\x91" * 1000 + b"\xc0", b"\x82\xa4type\xa5hello\xa3job" + b"\x91" * 1000 + b"\xc0"]
@@ -186,7 +186,8 @@ async def test_an_unexpected_exception_is_logged_and_the_loops_go_on(
     await still_serving(client)
     # The raw peer's frame must be the one the bug eats: on a loaded machine its connection may
     # come up after the daemon's own link, whose join would then be lost instead.
-    await until(lambda: failures["peer"] == 0, polls=10_000)
+    await until(lambda: failures["peer"] == 0, "the raw peer's frame lost to the bug",
+                timeout_s=20)
     await a_job_still_forms(daemon, client, "after-a-bug")
     assert daemon._client_guard.counts["RuntimeError in a client frame"] == 1
     assert daemon._peer_guard.counts["RuntimeError in handling a frame"] == 1

@@ -16,14 +16,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -45,7 +43,8 @@ from commd_client.connection import Connection
 from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import peer_dealer
-from ranks import JobSpec, collect, daemon_status, expected, start_ranks
+from polling import until, until_sync
+from ranks import JobSpec, assert_exact, collect, daemon_status, start_ranks
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130)]
 STRANGER_UID = 65534  # nobody: not the daemon's user, not in its group
@@ -63,15 +62,6 @@ def peer_join(job: str, ranks: list[int], world: int,
 def refused_by(status: dict[str, Any]) -> dict[str, int]:
     return {reason: status.get("peer_handshakes_refused_by", {}).get(reason, 0)
             for reason in REASONS}
-
-
-def until(what: str, condition: Callable[[], bool]) -> None:
-    """Poll ``condition`` (a count the daemon updates) until true, failing after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling a condition, bounded by WAIT_S
 
 
 def failed_start(*extra: str, socket_path: Path) -> str:
@@ -215,16 +205,6 @@ def test_insecure_uses_no_key_at_all(start_daemon, tmp_path: Path) -> None:
 # --- strangers on the loopback peer port ------------------------------------------------------
 
 
-def assert_exact(spec: JobSpec, results: list[dict[str, Any]]) -> None:
-    for result in results:
-        assert "error" not in result, result
-        assert result["returncode"] == 0, result["stderr"]
-        assert len(result["iterations"]) == spec.iterations
-        for iteration, layers in enumerate(result["iterations"]):
-            for got, want in zip(layers, expected(spec, iteration), strict=True):
-                np.testing.assert_array_equal(np.array(got), want)
-
-
 def test_a_strangers_join_for_a_forming_job_gets_nothing_and_the_job_runs_exact(
         start_daemon, tmp_path: Path) -> None:
     """The finding: with no --cluster-key a local process sent `peer_join` for node 1's ranks
@@ -242,8 +222,8 @@ def test_a_strangers_join_for_a_forming_job_gets_nothing_and_the_job_runs_exact(
         stranger.send(peer_join("forming", [1], 2))
         raw.sendall(peer_join("forming", [1], 2))  # the same bytes without ZeroMQ at all
         # A keyless ZeroMQ peer is counted as no_key, or as garbage if it hangs up first
-        until("both strangers refused", lambda: sum(refused_by(
-            daemon_status(coordinator.socket)).values()) >= sum(before.values()) + 2)
+        until_sync(lambda: sum(refused_by(daemon_status(coordinator.socket)).values())
+                   >= sum(before.values()) + 2, "both strangers refused", WAIT_S, poll_s=0.05)
         spec = JobSpec("forming", nodes, 1, LAYERS, iterations=3)
         assert_exact(spec, collect(start_ranks(spec)))
         # The job formed long ago: a setup for the stranger would have arrived by now.
@@ -280,11 +260,8 @@ async def test_a_keyless_strangers_joins_fill_no_forming_slot(daemon: Daemon) ->
             strangers.append(sock)
             for job in range(32):
                 await sock.send(peer_join(f"fill-{connection}-{job}", [0], 2, [("w", 4)]))
-        for _ in range(int(WAIT_S / 0.05)):
-            if daemon.status().peer_handshakes_refused >= 8:
-                break
-            await asyncio.sleep(0.05)  # polling a count, bounded
-        assert daemon.status().peer_handshakes_refused >= 8
+        await until(lambda: daemon.status().peer_handshakes_refused >= 8,
+                    "8 refused handshakes", WAIT_S)
         assert daemon._coordinator.status() == []  # nothing forming
         await key_holder.send(peer_join("mine", [0], 1, [("w", 4)]))
         while True:
@@ -312,7 +289,7 @@ def attempt(port: int, reason: str, cluster: Any, counted: Callable[[], int]) ->
         # come before the daemon reads its greeting (then it is garbage): this one waits.
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as raw:
             raw.sendall(NULL_GREETING if reason == "no_key" else b"GET / HTTP/1.1\r\n\r\n")
-            until(f"a {reason} refusal", lambda: counted() > 0)
+            until_sync(lambda: counted() > 0, f"a {reason} refusal", WAIT_S, poll_s=0.05)
         return
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
@@ -329,7 +306,7 @@ def attempt(port: int, reason: str, cluster: Any, counted: Callable[[], int]) ->
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send(peer_join("counted", [0], 1, [("w", 4)]))
     try:
-        until(f"a {reason} refusal", lambda: counted() > 0)
+        until_sync(lambda: counted() > 0, f"a {reason} refusal", WAIT_S, poll_s=0.05)
     finally:
         sock.close()
         context.term()

@@ -6,8 +6,7 @@ The coordinator's side is in tests/unit/test_membership_coordinator.py."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
@@ -32,6 +31,9 @@ from commd_protocol.limits import MAX_LOCAL_RANKS
 from commd_protocol.status import JobState
 
 from inprocess import RawClient, coordinator_of, hand_over, hello, peer_dealer, still_serving
+from polling import until
+
+WAIT_S = 90.0  # every wait on the daemon here, inside the test's timeout: a hang is named
 
 # --- the node: a resume that does not fit ------------------------------------------------------
 
@@ -51,9 +53,10 @@ async def tolerant_job(daemon: Daemon, connect: Any) -> AsyncIterator[tuple[RawC
                                   "layers": [{"name": "w", "size": 4}],
                                   "fault_tolerance": "continue"})
         assert reply["type"] == "registered", reply
-        await until(lambda: daemon.jobs[JOB].state is JobState.RUNNING)
+        await until(lambda: daemon.jobs[JOB].state is JobState.RUNNING, "the job running", WAIT_S)
         send_to_node(daemon, PeerReform(job=JOB, epoch=1, change="node x (ranks [7]) lost"))
-        await until(lambda: daemon.jobs[JOB].state is JobState.REFORMING)
+        await until(lambda: daemon.jobs[JOB].state is JobState.REFORMING, "the job reforming",
+                    WAIT_S)
         yield client, JOB
     finally:
         buffer.close()
@@ -63,11 +66,6 @@ def send_to_node(daemon: Daemon, message: msgspec.Struct) -> None:
     """``message`` from the job's coordinator to its one node, over the real peer sockets."""
     node = next(iter(daemon._coordinator._jobs[JOB].joins))
     daemon._coordinator._send(node, message)
-
-
-async def until(check: Callable[[], bool]) -> None:
-    while not check():
-        await asyncio.sleep(0.01)  # polling a condition, bounded by the test's timeout
 
 
 def resume(**fields: Any) -> PeerResume:
@@ -111,7 +109,7 @@ async def test_a_resume_that_fits_runs_the_job_in_the_new_epoch(
     the checks' doing)."""
     _, job = tolerant_job
     send_to_node(daemon, resume(change="x" * (10 * MAX_CHANGE_CHARS)))
-    await until(lambda: daemon.jobs[job].state is JobState.RUNNING)
+    await until(lambda: daemon.jobs[job].state is JobState.RUNNING, "the job resumed", WAIT_S)
     status = next(j for j in daemon.status().jobs if j.job == job)
     assert (status.epoch, status.members) == (1, [0])
     assert status.membership_changes == [f"epoch 1: {'x' * MAX_CHANGE_CHARS}"]  # cut to size
@@ -131,7 +129,7 @@ async def test_a_plan_decided_while_the_change_runs_is_kept_for_after_the_resume
                                   groups=[[0]], alpha_s=1e-4, beta_s_per_byte=1e-9,
                                   predicted_comm_s=1e-3, reason="decided during the change"))
     send_to_node(daemon, resume())
-    await until(lambda: daemon.jobs[job].state is JobState.RUNNING)
+    await until(lambda: daemon.jobs[job].state is JobState.RUNNING, "the job resumed", WAIT_S)
     plan = pipeline.upcoming_plan(2)
     assert plan is not None and plan.version == 7
     assert daemon.jobs[job].last_plan is not None
@@ -149,7 +147,7 @@ async def test_a_change_folded_into_a_later_one_at_once_resumes_in_the_later_epo
     send_to_node(daemon, PeerReform(job=job, epoch=2, change="node y (ranks [8]) lost"))
     send_to_node(daemon, resume(epoch=2, change="node y (ranks [8]) lost"))
     await until(lambda: daemon.jobs[job].epochs.epoch == 2
-                or daemon.jobs[job].state is JobState.FAILED)
+                or daemon.jobs[job].state is JobState.FAILED, "epoch 2 or a failed job", WAIT_S)
     await still_serving(connect())
     assert daemon.jobs[job].state is JobState.RUNNING, daemon.jobs[job].error
     assert await client.socket.poll(0) == 0  # no error reached the rank
@@ -161,7 +159,7 @@ async def test_a_resume_or_reform_out_of_turn_is_ignored(
     nothing: no error reaches the rank, the job runs in epoch 1."""
     client, job = tolerant_job
     send_to_node(daemon, resume())
-    await until(lambda: daemon.jobs[job].state is JobState.RUNNING)
+    await until(lambda: daemon.jobs[job].state is JobState.RUNNING, "the job resumed", WAIT_S)
     send_to_node(daemon, resume())
     send_to_node(daemon, PeerReform(job=job, epoch=1, change="again"))
     send_to_node(daemon, PeerReform(job=job, epoch=0, change="old"))
@@ -187,7 +185,8 @@ async def test_a_stale_drop_does_not_end_a_later_job_of_the_same_id(
                            "planner": "wfbp", "buffer_token": token,
                            "layers": [{"name": "w", "size": 4}],
                            "fault_tolerance": "continue"})
-        await until(lambda: JOB in daemon._coordinator._jobs)  # its join reached it: joining
+        await until(lambda: JOB in daemon._coordinator._jobs,  # its join reached it: joining
+                    "the job's join at its coordinator", WAIT_S)
         send_to_node(daemon, PeerAbort(job=JOB, code=ErrorCode.RANK_LOST, dropped=True,
                                        message="commd: job 'tol': this node was dropped"))
         await still_serving(connect())  # the drop went through the loop before this
@@ -285,7 +284,8 @@ async def test_malformed_reform_frames_on_the_peer_port_are_dropped_and_counted(
         for tag, fields, _ in BAD:
             await sock.send(frame(tag, **{**GOOD[tag], **fields}))
         await sock.send(frame("peer_reforms", **GOOD["peer_reform"]))
-        await until(lambda: sum(daemon._peer_guard.counts.values()) >= len(BAD) + 1)
+        await until(lambda: sum(daemon._peer_guard.counts.values()) >= len(BAD) + 1,
+                    f"{len(BAD) + 1} frames dropped by the peer guard", WAIT_S)
         counts = daemon._peer_guard.counts
         # A coordinator's own messages are refused by their tag on the coordinator's port.
         downward = sum(tag in ("peer_reform", "peer_resume") for tag, _, _ in BAD)

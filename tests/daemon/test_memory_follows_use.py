@@ -29,7 +29,14 @@ from commd_protocol import PROTOCOL_VERSION
 from commd_protocol.handover import OK, buffer_socket_path
 
 from inprocess import coordinator_of, hello
-from ranks import JobSpec, await_registered, collect, daemon_status, expected, start_ranks
+from ranks import (
+    JobSpec,
+    assert_exact,
+    await_registered,
+    collect,
+    daemon_status,
+    start_ranks,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -332,12 +339,7 @@ def test_a_two_node_job_is_exact_after_and_gives_its_memory_back(start_daemon: A
     before = [memory(node.process.pid) for node in nodes]
     layers = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 2 * 65536)]
     spec = JobSpec("two-node", nodes, 2, layers, op="sum", iterations=2)
-    results = collect(start_ranks(spec))
-    for result in results:
-        assert "error" not in result and result["returncode"] == 0, result
-        for iteration, got_layers in enumerate(result["iterations"]):
-            for got, want in zip(got_layers, expected(spec, iteration), strict=True):
-                np.testing.assert_array_equal(np.array(got), want)
+    assert_exact(spec, collect(start_ranks(spec)))
     for node, earlier in zip(nodes, before, strict=True):
         await_forgotten(node, spec.job)
         after = memory(node.process.pid)
@@ -370,9 +372,5 @@ def test_a_job_failed_under_a_stuck_collective_is_unmapped_and_the_daemon_lives_
     await_forgotten(nodes[1], stuck.job)
     assert memfd_mappings(nodes[1].process.pid, "commd-stuck") == 0
     spec = JobSpec("after-stuck", nodes, 2, layers, op="sum", iterations=2)
-    for result in collect(start_ranks(spec)):
-        assert "error" not in result and result["returncode"] == 0, result
-        for iteration, got_layers in enumerate(result["iterations"]):
-            for got, want in zip(got_layers, expected(spec, iteration), strict=True):
-                np.testing.assert_array_equal(np.array(got), want)
+    assert_exact(spec, collect(start_ranks(spec)))
     assert [node.process.poll() for node in nodes] == [None, None]

@@ -39,6 +39,7 @@ from commd_protocol.peer import ALLGATHER, ALLREDUCE
 from commd_protocol.status import DaemonStatus, JobState, JobStatus, LatencySummary
 
 from inprocess import peer_dealer
+from polling import until, until_sync
 from ranks import JobSpec, await_registered, collect, start_ranks
 
 LAYERS = [("w0", 4096), ("b0", 16), ("w1", 2048), ("b1", 8)]
@@ -63,17 +64,6 @@ def listening_ports(pid: int) -> set[int]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
-
-
-def wait_for(check: Any, what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling a condition, with a deadline
 
 
 # --- real daemons, two jobs ----------------------------------------------------------------------
@@ -101,7 +91,8 @@ def test_two_jobs_on_two_daemons_scraped_while_they_run(start_daemon) -> None:
                     for s in scrapes for job in ("m-dense", "m-topk")]
             return scrapes if min(done) >= 12 else None
 
-        scrapes = wait_for(both_past_a_report, "12 iterations of both jobs on both nodes")
+        scrapes = until_sync(both_past_a_report, "12 iterations of both jobs on both nodes",
+                             timeout_s=60, poll_s=0.05)
         kinds = scrape(addresses[0])[1]
         for index, samples in enumerate(scrapes):
             assert value(samples, "commd_jobs", state="running") == 2
@@ -151,7 +142,8 @@ def test_two_jobs_on_two_daemons_scraped_while_they_run(start_daemon) -> None:
             samples = scrape(address)[0]
             return None if jobs_in(samples) else samples
 
-        samples = wait_for(without_jobs, "the ended jobs' series to go", timeout=20)
+        samples = until_sync(without_jobs, "the ended jobs' series to go", timeout_s=20,
+                             poll_s=0.05)
         assert value(samples, "commd_jobs", state="running") == 0
         assert value(samples, "commd_clients_connected") == 0
         assert value(samples, "commd_errors_sent_total", code="rank_lost") is None
@@ -351,11 +343,7 @@ async def ask(address: str, request: bytes, *, close_after: bool = False) -> byt
         writer.close()
 
 
-async def until(check: Any, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)  # polling the in-process server's count, with a deadline
+WAIT_S = 30.0  # a wait on the in-process server's counts
 
 
 async def test_the_17th_connection_is_refused_at_once_and_scrapes_work_once_slots_free(
@@ -368,7 +356,7 @@ async def test_the_17th_connection_is_refused_at_once_and_scrapes_work_once_slot
     try:
         for _, writer in idle:
             writer.write(b"G")
-        await until(lambda: server.connections == 16, "16 connections accepted")
+        await until(lambda: server.connections == 16, "16 connections accepted", WAIT_S)
         reply = await ask(address, b"")  # says nothing: the 503 is read before the close
         assert reply.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), reply
         assert reply.endswith(b"commd: too many metrics connections\n")
@@ -378,7 +366,7 @@ async def test_the_17th_connection_is_refused_at_once_and_scrapes_work_once_slot
     finally:
         for _, writer in idle:
             writer.close()
-    await until(lambda: server.connections == 0, "the idle connections to go")
+    await until(lambda: server.connections == 0, "the idle connections to go", WAIT_S)
     reply = await ask(address, GET)
     assert reply.startswith(b"HTTP/1.1 200 OK\r\n"), reply[:200]
     families = {f.name for f in text_string_to_metric_families(reply.split(b"\r\n\r\n", 1)[1]
@@ -392,7 +380,7 @@ async def test_a_silent_connection_is_dropped_at_the_deadline(daemon: Daemon) ->
     server.head_deadline_s = 0.2
     assert await ask(daemon._metrics.address, b"GET /metr") == b""  # no reply, closed
     assert server.expired == 1
-    await until(lambda: server.connections == 0, "the connection to go")
+    await until(lambda: server.connections == 0, "the connection to go", WAIT_S)
 
 
 async def test_hostile_requests_get_a_typed_answer_and_a_close(daemon: Daemon) -> None:
@@ -440,7 +428,7 @@ async def test_hostile_requests_get_a_typed_answer_and_a_close(daemon: Daemon) -
         assert status_line(await asyncio.wait_for(reader.read(), 30)) == b"HTTP/1.1 200 OK"
     finally:
         writer.close()
-    await until(lambda: server.connections == 0, "every connection to go")
+    await until(lambda: server.connections == 0, "every connection to go", WAIT_S)
     assert server.refused == server.expired == 0
 
 
@@ -482,8 +470,8 @@ async def test_a_reply_nobody_reads_is_dropped_at_the_deadline() -> None:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(GET)  # then never read the 64 MiB: more than the sockets buffer
-            await until(lambda: server.expired == 1, "the reply's deadline")
-            await until(lambda: server.connections == 0, "the connection to go")
+            await until(lambda: server.expired == 1, "the reply's deadline", WAIT_S)
+            await until(lambda: server.connections == 0, "the connection to go", WAIT_S)
         finally:
             writer.close()
     finally:

@@ -23,7 +23,14 @@ from commd.daemon.server import Daemon
 from commd.daemon.settings import Settings
 from commd_protocol import PROTOCOL_VERSION
 
-from ranks import JobSpec, await_registered, collect, daemon_status, expected, start_ranks
+from ranks import (
+    JobSpec,
+    assert_exact,
+    await_registered,
+    collect,
+    daemon_status,
+    start_ranks,
+)
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130)]
 
@@ -154,12 +161,7 @@ def test_peers_without_the_key_cannot_abort_join_or_stall_a_job(
     for node in nodes:
         attack(node.port, hostile)  # no CurveZMQ at all
         attack(node.port, hostile, key=cluster_public)  # CurveZMQ with another key pair
-    results = collect(processes)
-    for rank, result in enumerate(results):
-        assert "error" not in result, result
-        for iteration, got in enumerate(result["iterations"]):
-            want = expected(spec, iteration)
-            assert [list(x) for x in got] == [list(w) for w in want], (rank, iteration)
+    assert_exact(spec, collect(processes))
     refused = [daemon_status(node.socket)["peer_handshakes_refused"] for node in nodes]
     assert all(count >= 1 for count in refused), refused  # the second attacker, each node
 

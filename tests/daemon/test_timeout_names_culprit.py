@@ -12,12 +12,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from commd.testing.processes import kill_all
 
-from ranks import JobSpec, await_registered, collect, expected, start_ranks
+from ranks import JobSpec, assert_exact, await_registered, collect, start_ranks
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
 # Far below the default stall_warn_s (60 s); above the 1 s a node waits before it names a
@@ -73,12 +72,7 @@ def test_a_timeout_names_a_stopped_rank_on_another_node_and_on_this_one(
 def assert_a_job_runs_exact(nodes: list[Any]) -> None:
     """The daemons serve the next job, and its sums are exact."""
     spec = JobSpec("after-culprit", nodes, 2, LAYERS, iterations=3, timeout=60)
-    for result in collect(start_ranks(spec), timeout=120):
-        assert "error" not in result and result["returncode"] == 0, result
-        assert len(result["iterations"]) == spec.iterations, result
-        for iteration, layers in enumerate(result["iterations"]):
-            for got, want in zip(layers, expected(spec, iteration), strict=True):
-                np.testing.assert_array_equal(np.array(got), want)
+    assert_exact(spec, collect(start_ranks(spec), timeout=120))
 
 
 def test_a_timeout_names_a_stopped_rank_of_a_one_node_job(start_daemon, tmp_path: Path) -> None:

@@ -17,11 +17,9 @@ from commd_client.connection import ProgressLog
 from commd_protocol import Progress
 
 from inprocess import coordinator_of, hello
+from polling import until
 
-
-async def until(condition: Any) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)  # polling a condition, bounded by the test timeout
+WAIT_S = 90.0  # a wait for the watch's report, inside the test's timeout: a hang is named
 
 
 async def test_an_overdue_collective_is_named_with_its_node() -> None:
@@ -30,7 +28,7 @@ async def test_an_overdue_collective_is_named_with_its_node() -> None:
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     watch.watch(never, "the collective of group 4 (layers 7..9, 1200 bytes)", 0.01)
     assert watch.oldest_s() >= 0.0
-    await until(lambda: failures)
+    await until(lambda: failures, "the overdue collective's report", WAIT_S)
     (failure,) = failures
     assert isinstance(failure, CollectiveOverdue)
     assert "the collective of group 4 (layers 7..9, 1200 bytes) has run over 0.1s" in \
@@ -59,7 +57,7 @@ async def test_the_watch_is_patient_while_marks_are_pending() -> None:
     await asyncio.sleep(0.2)  # ten limits: patience holds (a negative check)
     assert failures == []
     patient[0] = False  # the stalled node marked; the collective still hangs
-    await until(lambda: failures)
+    await until(lambda: failures, "the overdue collective's report", WAIT_S)
 
 
 async def test_a_waiting_rank_hears_what_its_job_waits_for(daemon: Daemon, connect: Any,

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from polling import until
 
 from commd.compression import exchange
 from commd.compression.topk import CompressionSpec
@@ -21,6 +20,8 @@ from commd.job.compressed import RELEASE_SHARE
 from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, make_plan
 from commd.job.state import LocalRank
+
+from polling import until
 
 SIZES = [400, 300, 200]  # forward order; one group per layer
 
@@ -104,14 +105,14 @@ async def test_the_next_group_is_selected_while_the_previous_is_on_the_wire(
     pipeline.mark(0, [0, 1, 2])
     # Group 0 (layer 2, 200 elements) goes on the wire and is held there, while groups 1
     # and 2 are selected and their collectives queue behind, in plan order.
-    await until(lambda: "allreduce 40" in log)
+    await until(lambda: "allreduce 40" in log, "group 2's collective issued")
     assert not any(future.done() for future in engine.held)
     assert {"select 300", "select 400"} <= set(log)
     issued = [line for line in log if not line.startswith("select")]
     assert issued == ["broadcast 20", "allreduce 20", "broadcast 30", "allreduce 30",
                       "broadcast 40", "allreduce 40"]
     engine.release()
-    await until(lambda: records)
+    await until(lambda: records, "the first record")
     assert failures == []
     # Measured CPU work, per group: (elements, selection s, update s).
     assert [row[0] for row in records[0].cpu] == [200, 300, 400]
@@ -134,9 +135,9 @@ async def test_a_compressed_job_that_runs_dense_sends_its_residual_a_share_at_a_
     buffers[0][:] = gradient
     pipeline.start()
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: len(engine.held) == 3)
+    await until(lambda: len(engine.held) == 3, "3 collectives on the wire")
     engine.release()
-    await until(lambda: records)
+    await until(lambda: records, "the first record")
     sent = buffers[0].copy() / 2  # the all-reduce doubled what this node sent
     compression = pipeline.compression
     assert compression is not None
@@ -145,9 +146,9 @@ async def test_a_compressed_job_that_runs_dense_sends_its_residual_a_share_at_a_
     held = gradient - sent
     buffers[0][:] = 0  # iteration 1, dense: nothing new, a share of the residual goes out
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: len(engine.held) == 4)
+    await until(lambda: len(engine.held) == 4, "4 collectives on the wire")
     engine.release()
-    await until(lambda: len(records) == 2)
+    await until(lambda: len(records) == 2, "2 records")
     np.testing.assert_allclose(buffers[0], 2 * RELEASE_SHARE * held, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(compression.residual, (1 - RELEASE_SHARE) * held, rtol=1e-5,
                                atol=1e-6)
@@ -157,17 +158,20 @@ async def test_a_compressed_job_that_runs_dense_sends_its_residual_a_share_at_a_
     for iteration in range(2, 2 + compression.release_iterations - 1):  # the rest, in turn
         buffers[0][:] = 0
         pipeline.mark(0, [0, 1, 2])
-        await until(lambda i=iteration: len(engine.held) == 3 + i)
+        await until(lambda i=iteration: len(engine.held) == 3 + i,
+                    f"{3 + iteration} collectives on the wire")
         engine.release()
-        await until(lambda i=iteration: len(records) == i + 1)
+        await until(lambda i=iteration: len(records) == i + 1, f"{iteration + 1} records")
         released += buffers[0] / 2
     np.testing.assert_allclose(released, held, rtol=1e-4, atol=1e-6)
     assert not compression.residual.any() and not compression.pending
     buffers[0][:] = 0  # nothing held back any more: a plain dense iteration
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: len(engine.held) == 3 + compression.release_iterations + 1)
+    await until(lambda: len(engine.held) == 3 + compression.release_iterations + 1,
+                "the plain dense iteration's collective")
     engine.release()
-    await until(lambda: len(records) == compression.release_iterations + 2)
+    await until(lambda: len(records) == compression.release_iterations + 2,
+                "the plain dense iteration's record")
     assert not compression.carried
     assert replies.done(pipeline, LocalRank(b"rank", 0, 0, 1), 1, pipeline.done_plan).dense
     assert failures == []
@@ -187,16 +191,16 @@ async def test_at_ratio_1_nothing_is_held_back_so_dense_follows_at_once(
     buffers[0][:] = np.random.default_rng(2).standard_normal(buffers[0].size)
     pipeline.start()
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: len(engine.held) == 3)
+    await until(lambda: len(engine.held) == 3, "3 collectives on the wire")
     engine.release()
-    await until(lambda: records)
+    await until(lambda: records, "the first record")
     compression = pipeline.compression
     assert compression is not None
     assert not compression.residual.any() and not compression.pending
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: len(engine.held) == 4)
+    await until(lambda: len(engine.held) == 4, "4 collectives on the wire")
     engine.release()
-    await until(lambda: len(records) == 2)
+    await until(lambda: len(records) == 2, "2 records")
     assert not compression.carried
     assert replies.done(pipeline, LocalRank(b"rank", 0, 0, 1), 1, pipeline.done_plan).dense
     assert failures == []
@@ -216,7 +220,8 @@ async def test_topk_auto_nodes_work_out_the_gains_of_smaller_ratios(
     buffers[0][:] = gradient
     pipeline.start()
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: engine.release() or bool(records))  # whatever is on the wire
+    await until(lambda: engine.release() or bool(records),  # whatever is on the wire
+                "the first record")
     assert failures == []
     expected = {}
     for ratio in (0.001, 0.01):
@@ -237,9 +242,9 @@ async def test_a_fixed_ratio_reports_no_lower_gains(executor: ThreadPoolExecutor
     buffers[0][:] = 1.0
     pipeline.start()
     pipeline.mark(0, [0, 1, 2])
-    await until(lambda: len(engine.held) == 3)
+    await until(lambda: len(engine.held) == 3, "3 collectives on the wire")
     engine.release()
-    await until(lambda: records)
+    await until(lambda: records, "the first record")
     assert records[0].lower_gains == [] and failures == []
     pipeline.stop()
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from polling import until
 
 from commd.engines.base import EngineError
 from commd.engines.buffer_ops import HostOps
 from commd.job.measurements import IterationRecord
 from commd.job.pipeline import Pipeline, Plan, make_plan
+
+from polling import until
 
 
 class StreamOps(HostOps):
@@ -100,7 +101,7 @@ async def test_done_before_the_device_finishes_then_the_record(executor: ThreadP
         pipeline.mark(rank, [2], sent_at=now)
     for rank in (0, 1):
         pipeline.mark(rank, [0, 1], sent_at=now)
-    await until(lambda: seen["complete"])
+    await until(lambda: seen["complete"], "iteration 0 answered")
     assert log == ["acquire", "sum", "finish x0.5", "acquire", "sum", "finish x0.5",
                    "release", "done 0", "fence"]
     assert seen["record"] == []  # the device has not finished yet
@@ -110,7 +111,7 @@ async def test_done_before_the_device_finishes_then_the_record(executor: ThreadP
     ops = pipeline.ops
     assert isinstance(ops, StreamOps)
     ops.fences[0].set_result(None)
-    await until(lambda: seen["record"])
+    await until(lambda: seen["record"], "iteration 0 recorded")
     assert log[-1] == "record 0" and seen["record"][0].iteration == 0
     assert pipeline.iteration == 1
     summary = pipeline.ready_to_launch.summary()
@@ -129,7 +130,8 @@ async def test_records_stay_in_order_and_collectives_are_not_awaited(
             for rank in (0, 1):
                 buffers[rank][:] = rank + 1
                 pipeline.mark(rank, layers)
-        await until(lambda n=iteration: len(seen["complete"]) == n + 1)
+        await until(lambda n=iteration: len(seen["complete"]) == n + 1,
+                    f"iteration {iteration} answered")
     # Both iterations were issued and answered while every collective is still "running".
     assert seen["complete"] == [0, 1] and seen["record"] == []
     np.testing.assert_array_equal(buffers[1], np.full(9, 9.0))  # (1 + 2) × 3 nodes
@@ -141,7 +143,7 @@ async def test_records_stay_in_order_and_collectives_are_not_awaited(
     await asyncio.sleep(0.02)
     assert seen["record"] == []  # iteration 1's record waits for iteration 0's
     ops.fences[0].set_result(None)
-    await until(lambda: len(seen["record"]) == 2)
+    await until(lambda: len(seen["record"]) == 2, "both iterations recorded")
     assert [r.iteration for r in seen["record"]] == [0, 1]
     assert all(s.seconds == 0.25 for r in seen["record"] for s in r.comm)
     pipeline.stop()
@@ -155,10 +157,10 @@ async def test_a_device_failure_reaches_the_job(executor: ThreadPoolExecutor) ->
     for layers in ([2], [0, 1]):
         for rank in (0, 1):
             pipeline.mark(rank, layers)
-    await until(lambda: seen["complete"])
+    await until(lambda: seen["complete"], "the iteration answered")
     engine.pending[0].set_exception(EngineError("commd: ncclAllReduce did not complete"))
     engine.pending[1].set_result(None)
-    await until(lambda: seen["failure"])
+    await until(lambda: seen["failure"], "the device's failure")
     assert "ncclAllReduce" in str(seen["failure"][0]) and seen["record"] == []
     pipeline.stop()
 
