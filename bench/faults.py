@@ -3,7 +3,7 @@
     .venv/bin/python bench/faults.py                 # every fault, 2 daemons x 2 ranks
     .venv/bin/python bench/faults.py --faults kill-rank,stop-daemon
 
-For each fault a fresh job of 2 daemons x 2 ranks (tests/rank_worker.py, endless) runs on
+For each fault a fresh job of 2 daemons x 2 ranks (commd.testing.rank_worker, endless) runs on
 127.0.0.1 (the link fault: in two network namespaces, root only); once every rank has
 registered, the fault strikes node 1 (rank 3, or its daemon, or its link). Reported per rank:
 seconds from the fault to its error, and the error's first words; then what was left behind
@@ -30,17 +30,9 @@ from typing import Any
 
 from commd.testing.daemons import LocalDaemon, commd_segments
 from commd.testing.processes import kill_all
+from commd.testing.ranks import JobSpec, await_registered, collect, start_ranks
 from commd.testing.results import add_results_option, write_results
-from commd.testing.scripts import load_script
 from commd.testing.tables import markdown_table
-
-ROOT = Path(__file__).resolve().parents[1]
-# The tests' rank specs and worker (tests/ranks.py, tests/rank_worker.py), by their paths:
-# ranks imports rank_worker by name, so that one is loaded first.
-load_script(ROOT / "tests" / "rank_worker.py", "rank_worker")
-_ranks = load_script(ROOT / "tests" / "ranks.py", "ranks")
-JobSpec, await_registered, collect, start_ranks = (
-    _ranks.JobSpec, _ranks.await_registered, _ranks.collect, _ranks.start_ranks)
 
 FAULTS = ("kill-rank", "stop-rank", "kill-daemon", "stop-daemon", "link-down")
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]

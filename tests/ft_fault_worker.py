@@ -1,6 +1,6 @@
 """One rank of a ``fault_tolerance="continue"`` job for the real-fault tests (a stopped
-daemon, a cut link): rank_worker's integer gradients averaged through the node's daemon, a
-digest of every iteration's result with the membership it ran in, as tolerant_worker.py
+daemon, a cut link): commd.testing.ranks' integer gradients averaged through the node's
+daemon, a digest of every iteration's result with the membership it ran in, as tolerant_worker.py
 writes them, plus when and how it failed.
 
 The fault is injected from outside at a hold (``holds``: a list of ``{"name", "at",
@@ -33,9 +33,9 @@ from typing import Any
 from tolerant_worker import digest
 
 from commd.testing.processes import await_file
+from commd.testing.rank_worker import client_for
+from commd.testing.ranks import value
 from commd_client import CommdError
-
-from rank_worker import client_for, value
 
 
 def await_go(progress: Path, name: str, rank: int, timeout: float) -> None:

@@ -5,8 +5,8 @@ the event chain across streams is exercised), marks each layer ready on the stre
 it, waits on the GPU, then checks every layer against the exact expected sum/avg and prints
 one JSON line: the largest absolute and relative error per iteration, or the error it got.
 
-Usage: python gpu_worker.py '<json spec>' (the keys of tests/ranks.py's specs, plus
-``device``, ``streams`` and ``die_at``).
+Usage: python gpu_worker.py '<json spec>' (the keys of commd.testing.ranks' specs,
+plus ``device``, ``streams`` and ``die_at``).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import time
 import cupy
 import numpy as np
 
-from rank_worker import client_for, reported
+from commd.testing.rank_worker import client_for, reported
 
 
 def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
-    """Small integers: exact in every dtype, also after summing a few ranks (as rank_worker)."""
+    """Small integers: exact in every dtype, also after summing a few ranks (as
+    commd.testing.ranks.value, without its pattern by rank)."""
     return (rank + 1) * (iteration + 1) + layer + (np.arange(size) % 5)
 
 

@@ -1,6 +1,6 @@
 """One rank of a ``fault_tolerance="continue"`` job for the membership-visibility tests: like
-tolerant_worker (rank_worker's integer gradients averaged through the node's daemon, a victim
-that vanishes in ``die_at``), with two gates so that a test can look at the daemons while the
+tolerant_worker (commd.testing.ranks' integer gradients averaged through the node's daemon, a
+victim that vanishes in ``die_at``), with two gates so that a test can look at the daemons while the
 job is alive:
 
 - ``gate_before``: before that iteration, touch ``gated-RANK`` in ``progress_dir`` and wait
@@ -25,8 +25,8 @@ from typing import Any
 from tolerant_worker import digest
 
 from commd.testing.processes import await_file
-
-from rank_worker import client_for, reported, value
+from commd.testing.rank_worker import client_for, reported
+from commd.testing.ranks import value
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """One rank of a ``fault_tolerance="continue"`` job for the fault-tolerance tests: writes
-rank_worker's integer gradients, averages them through the node's daemon and prints, as its
-last JSON line, a digest of every iteration's result with the membership it ran in.
+commd.testing.ranks' integer gradients, averages them through the node's daemon and prints,
+as its last JSON line, a digest of every iteration's result with the membership it ran in.
 
 A rank with ``joiner`` set is a replacement started later with a lost rank's number: it
 joins the running job and trains from the iteration the job is at (``Client.joined_at``);
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from commd.testing.processes import await_file
-
-from rank_worker import client_for, reported, value
+from commd.testing.rank_worker import client_for, reported
+from commd.testing.ranks import value
 
 
 def digest(arrays: list[np.ndarray]) -> str:

@@ -1,5 +1,5 @@
-"""Loading a file that is not in a package (a script under bench/ or examples/, a helper under
-tests/) as a module, by its path: nothing goes on sys.path, where it could shadow a module of
+"""Loading a file that is not in a package (a script under bench/ or examples/) as a module,
+by its path: nothing goes on sys.path, where it could shadow a module of
 the same name for everything imported after it."""
 
 from __future__ import annotations

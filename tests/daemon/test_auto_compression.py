@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rank_worker import value
-from ranks import JobSpec, collect, start_ranks
+from commd.testing.ranks import JobSpec, collect, start_ranks, value
 
 SHAPES = [("w0", [48, 40]), ("b0", [40]), ("w1", [64, 48]), ("b1", [7])]
 ITERATIONS = 45  # report rounds of 10: the first measured at 1, two low-rank ones after

@@ -9,9 +9,7 @@ from compression_reference import exchange, topk
 from commd.compression.topk import CompressionSpec, parse_compression, select_topk
 from commd.compression.topk import topk_count as k_of
 from commd.testing.processes import finish
-
-from rank_worker import value
-from ranks import JobSpec, collect, start_ranks
+from commd.testing.ranks import JobSpec, collect, start_ranks, value
 
 
 @pytest.mark.parametrize(

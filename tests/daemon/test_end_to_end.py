@@ -10,8 +10,7 @@ import pytest
 
 from commd.compression import native
 from commd.testing.processes import kill_all
-
-from ranks import JobSpec, assert_exact, collect, start_ranks
+from commd.testing.ranks import JobSpec, assert_exact, collect, start_ranks
 
 LAYERS = [("conv1.weight", 27), ("conv1.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
 

@@ -12,10 +12,10 @@ import pytest
 
 from commd.daemon.ended import KEPT
 from commd.daemon.server import Daemon
+from commd.testing.ranks import JobSpec, collect, daemon_status, start_ranks
 
 from inprocess import hello
 from polling import until
-from ranks import JobSpec, collect, daemon_status, start_ranks
 
 LAYERS = [("conv1.weight", 27), ("conv1.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
 

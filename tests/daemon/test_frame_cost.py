@@ -23,6 +23,7 @@ import zmq.asyncio
 from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.daemon.server import Daemon
 from commd.daemon.settings import SettingsError, load
+from commd.testing.ranks import JobSpec, assert_exact, collect, start_ranks
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import PROTOCOL_VERSION
 from commd_protocol.handover import buffer_socket_path
@@ -30,7 +31,6 @@ from commd_protocol.limits import MAX_COUNT, MAX_LOCAL_RANKS, MAX_RANKS
 from commd_protocol.limits import MAX_LAYERS as PROTOCOL_MAX_LAYERS
 
 from inprocess import RawClient, coordinator_of, hand_over, still_serving
-from ranks import JobSpec, assert_exact, collect, start_ranks
 
 MAX_LAYERS = 64  # the daemon's --max-layers in this module
 LAYERS = [{"name": f"l{i}", "size": 2} for i in range(4)]

@@ -39,12 +39,12 @@ from commd.daemon.key_files import (
 from commd.daemon.server import Daemon
 from commd.testing.daemons import LocalDaemon, workdir_key
 from commd.testing.peers import connect_peer, socket_key
+from commd.testing.ranks import JobSpec, assert_exact, collect, daemon_status, start_ranks
 from commd_client.connection import Connection
 from commd_protocol import PROTOCOL_VERSION
 
 from inprocess import peer_dealer
 from polling import until, until_sync
-from ranks import JobSpec, assert_exact, collect, daemon_status, start_ranks
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130)]
 STRANGER_UID = 65534  # nobody: not the daemon's user, not in its group

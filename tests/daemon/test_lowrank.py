@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 from compression_reference import PowerSgdState, powersgd_reference
 
-from rank_worker import value
-from ranks import JobSpec, collect, start_ranks
+from commd.testing.ranks import JobSpec, collect, start_ranks, value
 
 # (name, shape): matrices that compress at rank 2 (8×5 does not: (8 + 5)·2·2 ≥ 40) and whose
-# test values (rank_worker.value) are of rank above 2, and vectors
+# test values (commd.testing.ranks.value) are of rank above 2, and vectors
 SHAPES = [("w0", (12, 7)), ("b0", (1,)), ("w1", (8, 5)), ("w2", (16, 3, 3)), ("b2", (7,))]
 
 

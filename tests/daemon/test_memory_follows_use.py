@@ -24,12 +24,7 @@ import zmq
 from commd.daemon.server import Daemon
 from commd.job.segments import SLACK, SharedSegment
 from commd.testing.processes import kill_all
-from commd_client.host_buffer import SEALS, HostBuffer
-from commd_protocol import PROTOCOL_VERSION
-from commd_protocol.handover import OK, buffer_socket_path
-
-from inprocess import coordinator_of, hello
-from ranks import (
+from commd.testing.ranks import (
     JobSpec,
     assert_exact,
     await_registered,
@@ -37,6 +32,11 @@ from ranks import (
     daemon_status,
     start_ranks,
 )
+from commd_client.host_buffer import SEALS, HostBuffer
+from commd_protocol import PROTOCOL_VERSION
+from commd_protocol.handover import OK, buffer_socket_path
+
+from inprocess import coordinator_of, hello
 
 pytestmark = pytest.mark.timeout(180)
 

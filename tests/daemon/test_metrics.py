@@ -33,6 +33,7 @@ from commd.job.measurements import CommSample, IterationRecord
 from commd.job.schedule import make_plan
 from commd.testing.ports import busy_port
 from commd.testing.processes import kill_all
+from commd.testing.ranks import JobSpec, await_registered, collect, start_ranks
 from commd_protocol import __version__
 from commd_protocol.handover import buffer_socket_path
 from commd_protocol.peer import ALLGATHER, ALLREDUCE
@@ -40,7 +41,6 @@ from commd_protocol.status import DaemonStatus, JobState, JobStatus, LatencySumm
 
 from inprocess import peer_dealer
 from polling import until, until_sync
-from ranks import JobSpec, await_registered, collect, start_ranks
 
 LAYERS = [("w0", 4096), ("b0", 16), ("w1", 2048), ("b1", 8)]
 def jobs_in(samples: Samples) -> set[str]:

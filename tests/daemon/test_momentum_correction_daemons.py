@@ -11,9 +11,7 @@ import pytest
 from compression_reference import exchange
 
 from commd.compression.topk import topk_count as k_of
-
-from rank_worker import value
-from ranks import JobSpec, collect, start_ranks
+from commd.testing.ranks import JobSpec, collect, start_ranks, value
 
 LAYERS = [("w0", 40), ("b0", 1), ("w1", 64), ("b1", 7)]
 

@@ -21,9 +21,7 @@ import zmq.asyncio
 from commd.daemon.peer_security import KeyFileError, generate_key, load_key
 from commd.daemon.server import Daemon
 from commd.daemon.settings import Settings
-from commd_protocol import PROTOCOL_VERSION
-
-from ranks import (
+from commd.testing.ranks import (
     JobSpec,
     assert_exact,
     await_registered,
@@ -31,6 +29,7 @@ from ranks import (
     daemon_status,
     start_ranks,
 )
+from commd_protocol import PROTOCOL_VERSION
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130)]
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from commd.testing.processes import kill_all
-
-from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
+from commd.testing.ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
 def test_daemon_gets_one_notification_per_group(start_daemon: Any) -> None:

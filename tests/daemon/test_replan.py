@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from commd.testing.processes import kill_all
-
-from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
+from commd.testing.ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 
 @pytest.mark.timeout(180)

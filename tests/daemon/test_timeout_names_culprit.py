@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from commd.testing.processes import kill_all
-
-from ranks import JobSpec, assert_exact, await_registered, collect, start_ranks
+from commd.testing.ranks import JobSpec, assert_exact, await_registered, collect, start_ranks
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
 # Far below the default stall_warn_s (60 s); above the 1 s a node waits before it names a

@@ -27,12 +27,12 @@ import zmq
 from commd.daemon.server import Daemon
 from commd.job.trace import MAX_EVENTS, MAX_ITERATIONS
 from commd.testing.processes import kill_all
+from commd.testing.ranks import JobSpec, await_registered, collect, start_ranks
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import TraceEvent, TraceReply, TraceRequest, encode
 from commd_protocol.codec import client_codec, daemon_codec
 
 from inprocess import RawClient, hello, register_job, still_serving
-from ranks import JobSpec, await_registered, collect, start_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [{"name": "conv.weight", "size": 64}, {"name": "conv.bias", "size": 8},

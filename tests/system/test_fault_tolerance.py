@@ -21,10 +21,8 @@ import pytest
 
 from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import finish, start_json_worker
+from commd.testing.ranks import daemon_status, value
 from commd_client import Client, CommdError
-
-from rank_worker import value
-from ranks import daemon_status
 
 pytestmark = pytest.mark.timeout(180)
 

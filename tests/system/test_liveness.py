@@ -13,8 +13,7 @@ import pytest
 
 from commd.testing.ports import free_port
 from commd.testing.processes import kill_all
-
-from ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
+from commd.testing.ranks import JobSpec, await_registered, collect, daemon_status, start_ranks
 
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]
 TARGET_S = 15.0  # every rank errors within this of the fault (the target)

@@ -28,10 +28,9 @@ from commd.job.schedule import make_plan
 from commd.job.trace import MAX_CHANGE, TraceRecorder
 from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import start_json_worker, stop_process
+from commd.testing.ranks import daemon_status
 from commd_protocol import Layer, Register, TraceReply, TraceRequest
 from commd_protocol.status import DaemonStatus, read_status
-
-from ranks import daemon_status
 
 pytestmark = pytest.mark.timeout(180)
 

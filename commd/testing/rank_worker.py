@@ -1,8 +1,12 @@
-"""One training rank for end-to-end tests: fills integer-valued gradients, reduces them
-through the node's daemon, and prints what it got back as one JSON line.
+"""One training rank of a ``commd.testing.ranks`` job: fills integer-valued gradients
+(``commd.testing.ranks.value``), reduces them through the node's daemon, and prints what it
+got back as one JSON line.
 
-Usage: python rank_worker.py '<json spec>' — see ``value`` for the data each rank writes.
-"""
+    python -m commd.testing.rank_worker '<json spec>'
+
+Other workers that run as ranks build on its pieces (``client_for``, ``reported``). It is a
+client, the one part of ``commd`` that imports ``commd_client``: it runs as a rank, in a
+process of its own, and nothing in ``commd`` imports it."""
 
 from __future__ import annotations
 
@@ -17,24 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from commd.cli.status import query
+from commd.testing.ranks import numel, value
 from commd_client import Client, CommdError
-
-
-def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
-    """Small integers: exact in every dtype, also after summing a few ranks. The pattern
-    differs by rank, so that nodes disagree on which elements are largest (top-k)."""
-    return (rank + 1) * (iteration + 1) + layer + (np.arange(size) * (rank + 1) % 5)
-
-
-def numel(size: int | list[int]) -> int:
-    """A layer's elements, given as a size or (JSON) as its shape."""
-    return int(np.prod(size)) if isinstance(size, list) else size
 
 
 def to_float(array: np.ndarray, dtype: str) -> list[float]:
     if dtype == "bfloat16":  # raw words → float32
-        return ((array.astype(np.uint32) << 16).view(np.float32)).tolist()
-    return array.astype(np.float64).tolist()
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    floats: list[float] = array.astype(np.float64).tolist()
+    return floats
 
 
 def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -137,8 +133,6 @@ def train(client: Client, spec: dict[str, Any], out: dict[str, Any]) -> None:
         if spec.get("progress_dir"):  # tell a rank that waits in await_others
             Path(spec["progress_dir"], f"{spec['rank']}.{iteration}").touch()
     if spec.get("status_at_end"):  # the job as the daemon shows it, still running
-        from commd.cli.status import query
-
         out["status"] = next(j for j in query(spec["socket"])["jobs"]
                              if j["job"] == spec["job"])
 

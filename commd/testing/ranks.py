@@ -1,27 +1,51 @@
-"""Start rank_worker.py processes for a job and collect their JSON results."""
+"""Jobs of real ranks against real daemons: a job's spec, its ranks started as processes
+(``commd.testing.rank_worker``), their JSON results collected and checked against the values
+every rank must see.
+
+Each rank writes small integers (``value``): exact in every dtype, also after summing a few
+ranks, so a result is checked element by element (``expected``, ``assert_exact``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from commd.testing.processes import finish, start_json_worker
 
-from rank_worker import numel, value
+WORKER = [sys.executable, "-m", "commd.testing.rank_worker"]
 
-WORKER = str(Path(__file__).with_name("rank_worker.py"))
+
+class Node(Protocol):
+    """What a job needs of a daemon: where ranks connect, and the coordinator's address."""
+
+    @property
+    def socket(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+
+def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
+    """What ``rank`` writes into ``layer`` at ``iteration``. The pattern differs by rank, so
+    that nodes disagree on which elements are largest (top-k)."""
+    return (rank + 1) * (iteration + 1) + layer + (np.arange(size) * (rank + 1) % 5)
+
+
+def numel(size: int | list[int]) -> int:
+    """A layer's elements, given as a size or (JSON) as its shape."""
+    return int(np.prod(size)) if isinstance(size, list) else size
 
 
 @dataclass
 class JobSpec:
     job: str
-    nodes: list[Any]  # DaemonProcess per node
+    nodes: Sequence[Node]  # the first coordinates
     ranks_per_node: int
     layers: list[tuple[str, int | list[int]]]  # (name, size) or (name, shape)
     dtype: str = "float32"
@@ -38,19 +62,20 @@ class JobSpec:
 
 
 def start_ranks(spec: JobSpec) -> list[subprocess.Popen[str]]:
+    """Every rank of ``spec`` as a rank worker process; each prints JSON lines."""
     processes = []
     for rank in range(spec.world_size):
-        node = rank // spec.ranks_per_node
+        node = spec.nodes[rank // spec.ranks_per_node]
         worker_spec = {
             "job": spec.job, "rank": rank, "world_size": spec.world_size,
             "local_rank": rank % spec.ranks_per_node, "local_world_size": spec.ranks_per_node,
-            "coordinator": spec.nodes[0].address, "socket": spec.nodes[node].socket,
+            "coordinator": spec.nodes[0].address, "socket": node.socket,
             "timeout": spec.timeout, "layers": spec.layers, "dtype": spec.dtype, "op": spec.op,
             "iterations": spec.iterations, "planner": spec.planner,
             "compression": spec.compression,
             **spec.overrides.get(rank, {}),
         }
-        processes.append(start_json_worker([sys.executable, WORKER], worker_spec))
+        processes.append(start_json_worker(WORKER, worker_spec))
     return processes
 
 
@@ -72,7 +97,7 @@ def daemon_status(socket: str) -> dict[str, Any]:
 
 def collect(processes: list[subprocess.Popen[str]], timeout: float = 90.0) -> list[dict[str, Any]]:
     """The final JSON line of every rank, with its returncode and stderr, all within
-    ``timeout``; kills stragglers so nothing outlives the test."""
+    ``timeout``; kills stragglers so nothing outlives the caller."""
     results = []
     for done in finish(processes, timeout):
         final = done.last_json()
@@ -84,12 +109,13 @@ def collect(processes: list[subprocess.Popen[str]], timeout: float = 90.0) -> li
 
 def expected(spec: JobSpec, iteration: int) -> list[np.ndarray]:
     """The reduced value every rank must see, computed in float64."""
-    sums = [
-        sum(value(r, iteration, i, numel(size)).astype(np.float64)
-            for r in range(spec.world_size))
-        for i, (_, size) in enumerate(spec.layers)
-    ]
-    return [s / spec.world_size for s in sums] if spec.op == "avg" else sums
+    reduced = []
+    for layer, (_, size) in enumerate(spec.layers):
+        total = np.zeros(numel(size), np.float64)
+        for rank in range(spec.world_size):
+            total += value(rank, iteration, layer, numel(size))
+        reduced.append(total / spec.world_size if spec.op == "avg" else total)
+    return reduced
 
 
 def assert_exact(spec: JobSpec, results: list[dict[str, Any]]) -> None:
