@@ -1,11 +1,13 @@
 """`make demo`: two commd daemons and four training ranks on this machine.
 
 Node 0 and node 1 are two daemons on 127.0.0.1, each with two local ranks running
-examples/train.py (a small CNN learning a synthetic task). The demo prints the daemons' view
-halfway (`commd status`), then one line per rank: its mean loss per 10 steps (falling), its
-step time and its parameters' checksum; the last lines compare the checksums (equal: the
-ranks hold the same model) and stop everything it started. The daemons' logs stay in a fresh
-/tmp/commd-demo-* folder (the last line names them).
+examples/train.py (a small CNN learning a synthetic task). Halfway through, the demo prints
+node 0's `commd status` (the view an operator reads), the plan of the job, and a few fields of
+each job from node 1's `commd status --json`, as one complete JSON object. When the ranks are
+done it prints one line per rank: its mean loss per 10 steps (falling), its step time and its
+parameters' checksum; the last lines compare the checksums (equal: the ranks hold the same
+model) and stop everything it started. The daemons' logs stay in a fresh /tmp/commd-demo-*
+folder (the last line names them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from commd.cli.status import query, render
 from commd.testing.daemons import LocalDaemon, commd_segments
@@ -78,8 +81,9 @@ def main() -> int:
                 print(f"[demo] plan of {job.job}: {len(job.groups)} group(s) over "
                       f"{job.layers} layers, planner {job.planner}, groups (forward "
                       f"layer indices) {job.groups}")
-            print("[demo] `commd status --json` on node 1, jobs only:")
-            print(json.dumps(query(daemons[1].socket)["jobs"], indent=1)[:1500])
+            print("[demo] `commd status --json` on node 1, a few fields of each job "
+                  "(--json gives them all):")
+            print(json.dumps(brief(query(daemons[1].socket))))
             print()
         codes = [p.wait(timeout=600) for p in ranks]
         for reader in readers:
@@ -93,6 +97,23 @@ def main() -> int:
         print(f"[demo] stopped {len(daemons)} daemons; shared-memory segments left: {len(left)}")
         logs = ", ".join(str(daemon.log_path) for daemon in daemons)
         print(f"[demo] the daemons' logs are kept: {logs}")
+
+
+# What `make demo` shows of each job from `commd status --json`: who runs where, how far it
+# got and the plan (the full object has dozens of fields per job: docs/status.md).
+BRIEF_FIELDS = ("job", "state", "world_size", "local_ranks", "node_index", "nodes",
+                "iteration", "planner", "plan_version", "groups")
+
+
+def brief(status: dict[str, Any]) -> dict[str, Any]:
+    """A small, complete object from a daemon's status: its version and backend, and
+    BRIEF_FIELDS of each job."""
+    return {
+        "version": status.get("version"),
+        "backend": status.get("backend"),
+        "jobs": [{name: job.get(name) for name in BRIEF_FIELDS}
+                 for job in status.get("jobs", [])],
+    }
 
 
 def _collect(process: subprocess.Popen[str], lines: list[str], halfway: threading.Event,

@@ -1,8 +1,11 @@
-"""`make demo` shows what it claims: four ranks that visibly learn (the mean loss per 10 steps
-falls), one line per rank instead of one per step, and checksums compared, not just printed."""
+"""`make demo` shows what it claims: node 0's `commd status` while training, a small JSON
+object from node 1 that is complete (never cut off mid-object), four ranks that visibly learn
+(the mean loss per 10 steps falls), one line per rank instead of one per step, and checksums
+compared, not just printed."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +16,8 @@ import pytest
 from bench_scripts import load_script
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+JSON_HEADER = ("[demo] `commd status --json` on node 1, a few fields of each job "
+               "(--json gives them all):")
 SUMMARY = re.compile(r"^\[demo\] rank (\d): mean loss per 10 steps ([\d.]+) → ([\d.]+) → ([\d.]+); "
                      r"[\d.]+ ms a step; params checksum (\S+)$")
 
@@ -38,6 +43,17 @@ def test_the_demo_learns_in_one_line_per_rank() -> None:
     assert f"[demo] all 4 ranks finished with the same parameters (checksum {checksums.pop()})" \
         in lines
     assert not [line for line in lines if line.startswith("rank ")]  # no line per step
+    # node 0's human-readable status while training: the job's row in the table
+    assert "[demo] `commd status` on node 0 while training:" in lines
+    assert any(re.match(r"^demo +running +0,1 of 4 +0/2 ", line) for line in lines), done.stdout
+    # node 1's JSON: one complete object on the line after its header, and no other line that
+    # starts like JSON and does not parse (a cut-off object)
+    shown = json.loads(lines[lines.index(JSON_HEADER) + 1])
+    assert [job["job"] for job in shown["jobs"]] == ["demo"]
+    assert shown["jobs"][0]["local_ranks"] == [2, 3] and shown["jobs"][0]["node_index"] == 1
+    for line in lines:
+        if line.lstrip().startswith(("{", "[")) and not line.startswith("[demo]"):
+            json.loads(line)
     assert "[demo] stopped 2 daemons; shared-memory segments left: 0" in lines
 
 
@@ -55,3 +71,18 @@ def test_differing_checksums_fail_the_demo(capsys: pytest.CaptureFixture[str]) -
     # a rank that failed: its whole output goes to stderr, where the error is
     assert demo._summarise([said("1.5"), ["Traceback", "commd: boom"]], [0, 1]) == 1
     assert "commd: boom" in capsys.readouterr().err
+
+
+def test_the_demos_json_is_small_and_complete() -> None:
+    demo = load_demo()
+    job = {name: 1 for name in demo.BRIEF_FIELDS} | {
+        "job": "demo", "groups": [[0, 1], [2]], "candidates": [{"name": "dense"}] * 50,
+        "plan_history": ["x" * 200] * 20, "membership_changes": ["epoch 1: y" * 100] * 10}
+    status = {"version": "0.1.0", "backend": "gloo", "jobs": [job, job | {"job": "other"}],
+              "ended": [{"status": job}] * 8, "shares": [{"kind": "ranks"}] * 5}
+    text = json.dumps(demo.brief(status))
+    assert json.loads(text) == {
+        "version": "0.1.0", "backend": "gloo",
+        "jobs": [{name: job[name] for name in demo.BRIEF_FIELDS},
+                 {name: job[name] for name in demo.BRIEF_FIELDS} | {"job": "other"}]}
+    assert len(text) < 500
