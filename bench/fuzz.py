@@ -29,12 +29,14 @@ What runs (docs/reliability.md says more):
   connections (a ZMTP greeting for NULL or CURVE with junk, or plain garbage, then frames),
   and ZeroMQ DEALERs with no key or a wrong one. None may reach the daemon: no peer-loop log
   line, no job, nothing sent back.
-- Frames: mutations of valid messages of every type (a field dropped, duplicated or retyped,
-  huge ints, negative sizes, NaN and infinities, long strings, deep nesting, unknown tags,
-  extra fields, cut or flipped bytes), random bytes, random MessagePack values, messages of
-  several ZeroMQ frames, and rarely one over the size limit.
+- Frames: ``commd.testing.fuzz``'s (the fuzz test's too), drawn from a ``random.Random`` of
+  ``--seed``: mutations of valid messages of every type (a field dropped, duplicated or
+  retyped, huge ints, negative sizes, NaN and infinities, long strings, deep nesting, unknown
+  tags, extra fields, cut or flipped bytes), random bytes, random MessagePack values, messages
+  of several ZeroMQ frames; here also, rarely, one over the size limit.
 - Then a real job of 2 daemons x 2 ranks on ``u0``+``u1`` (``u0`` coordinates) and on
-  ``k0``+``k1``: every rank checks that every element of every iteration is exact.
+  ``k0``+``k1`` (``commd.testing.ranks``): every element every rank got in every iteration
+  must be exact.
 
 Reported: frames per socket, replies by type and error code, crashes (a daemon exited),
 dead loops (no answer to a barrier or to ``status`` within ``--reply-timeout``), untyped
@@ -67,21 +69,26 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.testing import fuzz
 from commd.testing.daemons import LocalDaemon
-from commd.testing.fuzz import CODES, DUP, POOL, TAGS, Raw, builtins, decoded, pack, stack_sensitive
-from commd.testing.processes import finish, start_json_worker
+from commd.testing.fuzz import (
+    CODES,
+    POOL,
+    RandomDraws,
+    builtins,
+    decoded,
+    pack,
+    stack_sensitive,
+)
+from commd.testing.ranks import JobSpec, assert_exact, collect, start_ranks
 from commd.testing.results import write_results
 from commd.testing.tables import markdown_table
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
-    DTYPES,
-    OPS,
     PROTOCOL_VERSION,
     CommdError,
     Done,
@@ -92,9 +99,6 @@ from commd_protocol import (
     PeerAbort,
     PeerJoin,
     PeerLeave,
-    PeerPlan,
-    PeerProfile,
-    PeerSetup,
     Progress,
     ProtocolViolation,
     Ready,
@@ -111,191 +115,6 @@ from commd_protocol.messages import Registered
 RSS_TARGET_MB = 50.0
 JOB_LAYERS = [("conv.weight", 1728), ("conv.bias", 64), ("fc.weight", 4096), ("fc.bias", 10)]
 JOB_ITERATIONS = 5
-SPECIAL = [*fuzz.SPECIAL, [0] * 3000]
-FIELDS = sorted({*fuzz.FIELDS, *PeerSetup.__struct_fields__})
-
-
-# --- frames --------------------------------------------------------------------------------
-
-
-class Frames:
-    """Hostile frames from one seeded ``random.Random``: reproducible for a seed."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    # valid messages of every type
-    def _layers(self) -> list[Layer]:
-        count = self.rng.randint(1, 4)
-        return [Layer(name=f"l{i}", size=self.rng.randint(1, 64)) for i in range(count)]
-
-    def _floats(self, n: int) -> list[float]:
-        return [self.rng.uniform(0, 1e3) for _ in range(n)]
-
-    def client_message(self) -> msgspec.Struct:
-        r = self.rng
-        world = r.randint(1, 4)
-        local_world = r.randint(1, world)
-        kind = r.randrange(11)
-        if kind == 0:
-            return Hello(protocol=PROTOCOL_VERSION, job=r.choice(POOL), rank=r.randrange(world),
-                         world_size=world, local_rank=r.randrange(local_world),
-                         local_world_size=local_world, coordinator="127.0.0.1:1",
-                         pid=r.choice([0, 1, os.getpid()]))
-        if kind == 1:
-            return Register(layers=self._layers(), dtype=r.choice(DTYPES), op=r.choice(OPS),
-                            buffer_token=r.choice(["", "0" * 32, "no-such-token"]),
-                            planner=r.choice(["", "wfbp", "optimal", "syncea", "fixed:1MB"]),
-                            compression=r.choice(["none", "topk:0.01"]),
-                            device=r.choice(["cpu", "cuda"]),
-                            device_bus_id=r.choice(["", "0000:01:00.0"]),
-                            ipc_handle=r.choice([b"", b"\x01" * 64]),
-                            event_handle=r.choice([b"", b"\x02" * 64]),
-                            ipc_offset=r.randint(0, 64))
-        if kind in (2, 3):
-            n = r.randint(0, 3)
-            return Ready(layers=[r.randint(-1, 3) for _ in range(n)], sent_at=r.uniform(0, 1e3),
-                         stamps=self._floats(n) if r.random() < 0.5 else [])
-        if kind in (4, 5):
-            return Wait(iteration=r.randint(-1, 4))
-        if kind == 6:
-            return StatusRequest()
-        if kind == 7:
-            return Goodbye()
-        # daemon messages, sent the wrong way
-        return r.choice([
-            Welcome(protocol=PROTOCOL_VERSION, version="0", backend="gloo"),
-            Done(iteration=r.randint(0, 3)),
-            Error(code=r.choice(sorted(CODES)), message="commd: x"),
-            Registered(nodes=1, node_index=0, groups=[[0]], planner="wfbp"),
-            StatusReply(status={}),
-        ])
-
-    def peer_message(self) -> msgspec.Struct:
-        r = self.rng
-        kind = r.randrange(9)
-        job = r.choice(POOL)
-        if kind in (0, 1):
-            world = r.randint(1, 3)
-            ranks = r.sample(range(world), r.randint(1, world))
-            return PeerJoin(protocol=PROTOCOL_VERSION, job=job, ranks=ranks, world_size=world,
-                            layers=self._layers(), dtype=r.choice(DTYPES), op=r.choice(OPS),
-                            planner=r.choice(["wfbp", "optimal", "syncea", "mgwfbp"]),
-                            host="127.0.0.1", compression=r.choice(["none", "topk:0.05"]),
-                            profile=r.random() < 0.5)
-        if kind in (2, 3):
-            rows = [[r.uniform(-1, 1e6) for _ in range(r.choice([4, 5]))]
-                    for _ in range(r.randint(0, 4))]
-            return PeerProfile(job=job, round=r.randint(-1, 3), iteration=r.randint(-1, 30),
-                               ready_offsets_s=self._floats(r.randint(0, 4)), comm=rows,
-                               measured_comm_s=r.uniform(0, 1), iteration_s=r.uniform(0, 1),
-                               gains=[[r.uniform(0, 2), r.uniform(0, 2)]] * r.randint(0, 2),
-                               plan=r.randint(0, 3), step_s=r.uniform(0, 1))
-        if kind == 4:
-            return PeerLeave(job=job)
-        if kind == 5:
-            return PeerAbort(job=job, code=r.choice(sorted(CODES)), message="commd: x")
-        if kind == 6:
-            return PeerSetup(job=job, generation=r.randint(0, 3), node_index=r.randint(0, 2),
-                             nodes=r.randint(1, 3), store_port=r.randint(0, 65535),
-                             planner="wfbp")
-        if kind == 7:
-            return PeerPlan(job=job, round=r.randint(0, 3), effective_iteration=r.randint(0, 30),
-                            version=r.randint(0, 3), groups=[[0]], alpha_s=r.random(),
-                            beta_s_per_byte=r.random(), predicted_comm_s=r.random())
-        return self.client_message()  # a client's message on the peer port
-
-    # hostile values and mutations
-    def hostile(self) -> Any:
-        r = self.rng
-        kind = r.randrange(8)
-        if kind < 3:
-            return r.choice(SPECIAL)
-        if kind == 3:
-            return r.randint(-(2**63), 2**64 - 1)
-        if kind == 4:
-            return r.choice([r.uniform(-1e308, 1e308), r.random(), -r.random()])
-        if kind == 5:
-            return "".join(chr(r.randint(1, 0x2FF)) for _ in range(r.randint(0, 40)))
-        if kind == 6:
-            return r.randbytes(r.randint(0, 40))
-        return Raw(b"\x91" * r.randint(1, 1500) + b"\xc0")  # nested arrays, up to 1500 deep
-
-    def value(self, depth: int = 0) -> Any:
-        """A random MessagePack value."""
-        r = self.rng
-        kind = r.randrange(8 if depth < 3 else 6)
-        if kind == 0:
-            return r.choice([None, True, False])
-        if kind == 1:
-            return r.randint(-(2**63), 2**64 - 1)
-        if kind == 2:
-            return r.choice([r.uniform(-1e9, 1e9), math.nan, math.inf])
-        if kind == 3:
-            return "".join(chr(r.randint(32, 0x4FF)) for _ in range(r.randint(0, 12)))
-        if kind in (4, 5):
-            return r.randbytes(r.randint(0, 12))
-        if kind == 6:
-            return [self.value(depth + 1) for _ in range(r.randint(0, 4))]
-        return {r.choice([*FIELDS, "type", "x"]): self.value(depth + 1)
-                for _ in range(r.randint(0, 4))}
-
-    def mutated(self, message: msgspec.Struct) -> bytes:
-        r = self.rng
-        body = builtins(message)
-        for _ in range(r.choice([0, 1, 1, 2, 3])):
-            keys = [k for k in body if k != DUP] or ["type"]
-            key = r.choice(keys)
-            action = r.choice(["drop", "set", "set", "dup", "extra", "retag", "element",
-                               "element"])
-            if action == "drop":
-                body.pop(key, None)
-            elif action == "set":
-                body[key] = self.hostile()
-            elif action == "dup":
-                body.setdefault(DUP, []).append((key, self.hostile()))
-            elif action == "extra":
-                body[r.choice([*FIELDS, "zzz", ""])] = self.hostile()
-            elif action == "retag":
-                body["type"] = r.choice([r.choice(TAGS), "", "HELLO", "hello\x00",
-                                         self.hostile()])
-            elif isinstance(body.get(key), list) and body[key]:
-                items = body[key] = list(body[key])
-                index = r.randrange(len(items))
-                if isinstance(items[index], dict) and items[index]:
-                    inner = items[index] = dict(items[index])
-                    inner[r.choice(sorted(inner))] = self.hostile()
-                else:
-                    items[index] = self.hostile()
-            else:
-                body[key] = self.hostile()
-        frame = pack(body)
-        tweak = r.random()
-        if tweak < 0.08 and frame:
-            frame = frame[:r.randrange(len(frame))]
-        elif tweak < 0.16 and frame:
-            at = r.randrange(len(frame))
-            frame = frame[:at] + bytes([frame[at] ^ r.randint(1, 255)]) + frame[at + 1:]
-        return frame
-
-    def frame(self, side: str) -> bytes | list[bytes]:
-        """One ipc or peer frame; a list is one message of several ZeroMQ frames."""
-        r = self.rng
-        roll = r.random()
-        make = self.client_message if side == "ipc" else self.peer_message
-        if roll < 0.60:
-            return self.mutated(make())
-        if roll < 0.70:
-            return r.randbytes(r.randint(0, 256))
-        if roll < 0.82:
-            return pack(self.value())
-        if roll < 0.94:
-            fields = {r.choice(FIELDS): r.choice([self.value(), self.hostile()])
-                      for _ in range(r.randint(0, 6))}
-            return pack({"type": r.choice(TAGS), **fields})
-        if roll < 0.98:
-            return pack(builtins(make()))  # valid as it is
-        return [r.randbytes(r.randint(0, 32)) for _ in range(r.randint(2, 3))]
 
 
 # --- results ---------------------------------------------------------------------------------
@@ -609,11 +428,11 @@ def report_every_10k(side: Side, count: int, daemon: LocalDaemon,
         progress(f"{side.name}: {side.frames} frames, {daemon.name} RSS {rss:.1f} MB")
 
 
-def fuzz_ipc(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeout_s: float,
+def fuzz_ipc(daemon: LocalDaemon, draws: RandomDraws, total: int, batch: int, timeout_s: float,
              findings: Findings, context: zmq.Context[zmq.Socket[bytes]],
              progress: Callable[[str], None]) -> Side:
     side = Side("ipc")
-    rng = frames.rng
+    rng = draws.rng
     started = measure_from(side, daemon)
     oversize = pack({"type": "status", "pad": "x" * (MAX_MESSAGE_BYTES + 1)})
     number = 0
@@ -633,12 +452,12 @@ def fuzz_ipc(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeou
         try:
             while length > 0:  # a running job gets one iteration per batch: smaller batches
                 count = min(batch if kind != "running" else max(1, batch // 4), length)
-                chunk = [frames.frame("ipc") for _ in range(count)]
+                chunk = [fuzz.frame(draws, "ipc") for _ in range(count)]
                 for index, frame in enumerate(chunk):  # (a goodbye would end a running job)
                     while stack_sensitive(frame) or (
                             kind == "running" and isinstance(decoded(frame), Goodbye)):
                         side.regenerated += stack_sensitive(frame)
-                        frame = chunk[index] = frames.frame("ipc")
+                        frame = chunk[index] = fuzz.frame(draws, "ipc")
                 if rng.random() < 0.002:
                     chunk[-1] = oversize
                 episode.batch(chunk, side, findings, rng)
@@ -701,11 +520,11 @@ def peer_socket(context: zmq.Context[zmq.Socket[bytes]], daemon: LocalDaemon) ->
     return sock
 
 
-def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeout_s: float,
+def fuzz_peer(daemon: LocalDaemon, draws: RandomDraws, total: int, batch: int, timeout_s: float,
               findings: Findings, context: zmq.Context[zmq.Socket[bytes]],
               progress: Callable[[str], None]) -> Side:
     side = Side("peer")
-    rng = frames.rng
+    rng = draws.rng
     started = measure_from(side, daemon)
     barriers = 0
     oversize_sent = 0
@@ -715,7 +534,7 @@ def fuzz_peer(daemon: LocalDaemon, frames: Frames, total: int, batch: int, timeo
         try:
             while length > 0:
                 count = min(batch, length)
-                chunk = [frames.frame("peer") for _ in range(count)]
+                chunk = [fuzz.frame(draws, "peer") for _ in range(count)]
                 for frame in chunk:
                     if isinstance(frame, list):
                         sock.send_multipart(frame)
@@ -773,11 +592,11 @@ def zmtp_command(name: bytes, body: bytes) -> bytes:
     return zmtp_frame(bytes([len(name)]) + name + body, flags=0x04)
 
 
-def attack_keyed(daemon: LocalDaemon, public_key: bytes, frames: Frames, total: int,
+def attack_keyed(daemon: LocalDaemon, public_key: bytes, draws: RandomDraws, total: int,
                  timeout_s: float, context: zmq.Context[zmq.Socket[bytes]],
                  progress: Callable[[str], None]) -> Side:
     side = Side("keyed peer")
-    rng = frames.rng
+    rng = draws.rng
     started = measure_from(side, daemon)
     refused_before = int(status_of(daemon.socket, context, timeout_s)["peer_handshakes_refused"])
     host, port = daemon.host, daemon.port
@@ -800,7 +619,7 @@ def attack_keyed(daemon: LocalDaemon, public_key: bytes, frames: Frames, total: 
                                           | zmq.EVENT_DISCONNECTED)
         sock.connect(f"tcp://{host}:{port}")
         for _ in range(1000):
-            frame = frames.frame("peer")
+            frame = fuzz.frame(draws, "peer")
             try:
                 if isinstance(frame, list):
                     sock.send_multipart(frame, zmq.NOBLOCK)
@@ -840,7 +659,7 @@ def attack_keyed(daemon: LocalDaemon, public_key: bytes, frames: Frames, total: 
             head = zmtp_greeting(b"CURVE") + zmtp_command(b"HELLO", rng.randbytes(194))
         else:
             head = rng.randbytes(rng.randint(1, 128))
-        stream = head + b"".join(zmtp_frame(_flat(frames.frame("peer"))) for _ in range(count))
+        stream = head + b"".join(zmtp_frame(_flat(fuzz.frame(draws, "peer"))) for _ in range(count))
         with socket.create_connection((host, port), timeout=timeout_s) as conn:
             connections += 1
             try:  # one write: it is in the daemon's TCP socket before it can hang up
@@ -886,62 +705,18 @@ def _flat(frame: bytes | list[bytes]) -> bytes:
 # --- a real job afterwards -------------------------------------------------------------------
 
 
-def value(rank: int, iteration: int, layer: int, size: int) -> np.ndarray:
-    """Small integers, exact in float32 also after summing the ranks."""
-    return ((rank + 1) * (iteration + 1) + layer + np.arange(size) * (rank + 1) % 7).astype(
-        np.float64)
-
-
-def rank_worker(spec: dict[str, Any]) -> None:
-    """One rank of the job afterwards: reduce, and compare every element with the sum."""
-    from commd_client import Client
-
-    out: dict[str, Any] = {"rank": spec["rank"]}
-    try:
-        with Client(job=spec["job"], rank=spec["rank"], world_size=spec["world_size"],
-                    local_rank=spec["local_rank"], local_world_size=spec["local_world_size"],
-                    coordinator=spec["coordinator"], socket=spec["socket"],
-                    timeout=spec["timeout"]) as client:
-            layers = [(name, size) for name, size in spec["layers"]]
-            grads = client.register(layers, dtype="float32", op="sum", planner="wfbp")
-            worst = 0.0
-            for iteration in range(spec["iterations"]):
-                for index, (_, size) in enumerate(layers):
-                    grads[index][:] = value(spec["rank"], iteration, index, size)
-                for index in reversed(range(len(layers))):
-                    client.ready(index)
-                client.wait()
-                for index, (_, size) in enumerate(layers):
-                    want = sum(value(r, iteration, index, size)
-                               for r in range(spec["world_size"]))
-                    worst = max(worst, float(np.abs(grads[index] - want).max()))
-            out["max_abs_error"] = worst
-            out["iterations"] = spec["iterations"]
-    except CommdError as exc:
-        out["error"] = str(exc)
-    print(json.dumps(out), flush=True)
-
-
 def real_job(name: str, nodes: list[LocalDaemon], timeout_s: float) -> tuple[bool, str]:
-    """2 daemons x 2 ranks; the first daemon coordinates. (exact?, what happened)."""
-    ranks_per_node = 2
-    world = len(nodes) * ranks_per_node
-    processes = []
-    for rank in range(world):
-        spec = {"job": name, "rank": rank, "world_size": world,
-                "local_rank": rank % ranks_per_node, "local_world_size": ranks_per_node,
-                "coordinator": nodes[0].address, "socket": nodes[rank // ranks_per_node].socket,
-                "timeout": timeout_s, "layers": JOB_LAYERS, "iterations": JOB_ITERATIONS}
-        processes.append(start_json_worker([sys.executable, __file__, "--rank-worker"], spec,
-                                           env={"OMP_NUM_THREADS": "1"}))
-    results = [done.last_json() | {"code": done.returncode, "stderr": done.stderr[-300:]}
-               for done in finish(processes, timeout_s + 60)]
-    exact = all(r.get("max_abs_error") == 0.0 and r.get("iterations") == JOB_ITERATIONS
-                and r["code"] == 0 for r in results)
-    if exact:
-        return True, f"{world} ranks x {JOB_ITERATIONS} iterations, every element exact"
-    return False, "; ".join(f"rank {r.get('rank')}: {r.get('error') or r.get('max_abs_error')} "
-                            f"(exit {r['code']}) {r['stderr']}" for r in results)
+    """2 daemons x 2 ranks (commd.testing.rank_worker); the first daemon coordinates.
+    (exact?, what happened)."""
+    spec = JobSpec(name, nodes, 2, JOB_LAYERS, iterations=JOB_ITERATIONS, timeout=timeout_s)
+    results = collect(start_ranks(spec), timeout_s + 60)
+    try:
+        assert_exact(spec, results)
+    except AssertionError as exc:
+        return False, f"{str(exc)[:1500]} " + "; ".join(
+            f"rank {r.get('rank')}: {r.get('error', '')} (exit {r['returncode']}) "
+            f"{r['stderr'][-300:]}" for r in results)
+    return True, f"{spec.world_size} ranks x {JOB_ITERATIONS} iterations, every element exact"
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -985,11 +760,7 @@ def main() -> int:
                         help="--worst: seconds the prober watches the loop after each frame")
     parser.add_argument("--limit-ms", type=float, default=50.0,
                         help="--worst: the most a frame may block the loop")
-    parser.add_argument("--rank-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rank_worker:
-        rank_worker(json.loads(args.rank_worker))
-        return 0
     if args.worst:
         return worst_mode(args)
     signal.signal(signal.SIGTERM, _interrupted)
@@ -1018,11 +789,11 @@ def main() -> int:
                  f"{args.seed}, {args.frames} frames per socket, logs in {workdir}")
         rss_start = {d.name: rss_mb(d.process.pid) for d in daemons}
         rng = random.Random(args.seed)
-        ipc = fuzz_ipc(u0, Frames(rng), args.frames, args.batch, args.reply_timeout,
+        ipc = fuzz_ipc(u0, RandomDraws(rng), args.frames, args.batch, args.reply_timeout,
                        findings, context, progress)
-        peer = fuzz_peer(u0, Frames(rng), args.frames, args.batch,
+        peer = fuzz_peer(u0, RandomDraws(rng), args.frames, args.batch,
                          args.reply_timeout, findings, context, progress)
-        keyed = attack_keyed(k0, public, Frames(rng), args.frames,
+        keyed = attack_keyed(k0, public, RandomDraws(rng), args.frames,
                              args.reply_timeout, context, progress)
         sides = [ipc, peer, keyed]
         rss_fuzzed = {d.name: rss_mb(d.process.pid) for d in daemons if d.process.poll() is None}

@@ -7,5 +7,5 @@ workers), ``netbed`` (network namespaces, a bridge, tbf-shaped links, a link cut
 ``fuzz`` (hostile frames), ``results`` and ``provenance`` (a benchmark's results as JSON with
 the command, commit and machine), ``tables`` (Markdown tables), ``scripts`` (a file outside
 any package loaded by its path), ``ports`` and ``peers``. Only commd's own dependencies,
-besides ``fuzz`` (msgpack, a development dependency) and ``rank_worker`` (a client: it
-imports commd_client); commd never imports this package."""
+besides ``fuzz`` (msgpack and hypothesis, development dependencies) and ``rank_worker``
+(a client: it imports commd_client); commd never imports this package."""

@@ -1,9 +1,10 @@
 """Property-based fuzzing of both daemon sockets, against an in-process daemon.
 
-Hypothesis draws lists of frames: mutations of valid messages of every type (a field dropped,
-duplicated or retyped, huge ints, negative sizes, NaN and infinities, long strings, deep
-nesting, unknown tags, extra fields, truncated or flipped bytes), random bytes and random
-MessagePack values. The properties:
+Hypothesis draws lists of frames from commd.testing.fuzz, the generator bench/fuzz.py draws
+from too: mutations of valid messages of every type (a field dropped, duplicated or retyped,
+huge ints, negative sizes, NaN and infinities, long strings, deep nesting, unknown tags, extra
+fields, truncated or flipped bytes), random bytes, random MessagePack values, messages of
+several ZeroMQ frames. The properties:
 
 - ipc socket: every frame gets exactly one reply (none only for a goodbye that ends a
   session), a valid daemon message; an ``error`` has a known code and a "commd: " message and
@@ -27,7 +28,6 @@ import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -40,11 +40,7 @@ from commd.daemon.server import Daemon
 from commd.testing import fuzz
 from commd.testing.fuzz import (
     CODES,
-    DUP,
-    FIELDS,
     POOL,
-    TAGS,
-    Raw,
     builtins,
     decoded,
     decoded_deeper,
@@ -53,31 +49,21 @@ from commd.testing.fuzz import (
 )
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
-    DTYPES,
-    OPS,
     PROTOCOL_VERSION,
     Done,
     Error,
     Goodbye,
-    Hello,
     Layer,
     PeerAbort,
     PeerJoin,
     PeerLeave,
-    PeerPlan,
-    PeerProfile,
-    PeerSetup,
     Progress,
     ProtocolViolation,
-    Ready,
-    Register,
     StatusReply,
     StatusRequest,
-    Wait,
     Welcome,
 )
 from commd_protocol.codec import daemon_codec, peer_codec
-from commd_protocol.messages import Registered
 
 from inprocess import RawClient, hello, peer_dealer, register_job
 
@@ -98,166 +84,13 @@ PEER_BARRIER = "!barrier"  # an invalid job id: its join is refused to us, in or
 _examples = itertools.count()  # job ids of the jobs formed after each example
 
 
-# --- building frames -----------------------------------------------------------------------
+# --- the frames: commd.testing.fuzz's, drawn by hypothesis -----------------------------------
 
 
-names = st.text("abcdefghijklmnopqrstuvwxyz._", min_size=1, max_size=8)
-layer_lists = st.lists(st.builds(Layer, name=names, size=st.integers(1, 64)),
-                       min_size=1, max_size=4, unique_by=lambda layer: layer.name)
-jobs = st.sampled_from(POOL)
-floats = st.floats(0, 1e3)
-int_lists = st.lists(st.integers(-1, 8), max_size=6)
-
-
-@st.composite
-def hellos(draw: st.DrawFn) -> Hello:
-    world = draw(st.integers(1, 4))
-    local_world = draw(st.integers(1, world))
-    return Hello(protocol=PROTOCOL_VERSION, job=draw(jobs), rank=draw(st.integers(0, world - 1)),
-                 world_size=world, local_rank=draw(st.integers(0, local_world - 1)),
-                 local_world_size=local_world, coordinator="127.0.0.1:1",
-                 pid=draw(st.sampled_from([0, 1, os.getpid()])))
-
-
-registers = st.builds(
-    Register, layers=layer_lists, dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS),
-    buffer_token=st.sampled_from(["", "0" * 32, "commd-no-such-token"]),
-    planner=st.sampled_from(["", "wfbp", "optimal", "syncea", "fixed:1MB"]),
-    compression=st.sampled_from(["none", "topk:0.01"]), profile=st.booleans(),
-    device=st.sampled_from(["cpu", "cuda"]), device_bus_id=st.sampled_from(["", "0000:01:00.0"]),
-    ipc_handle=st.sampled_from([b"", b"\x01" * 64]), ipc_offset=st.integers(0, 64),
-    event_handle=st.sampled_from([b"", b"\x02" * 64]))
-readies = st.builds(Ready, layers=int_lists, sent_at=floats, stamps=st.lists(floats, max_size=4))
-client_messages = st.one_of(
-    hellos(), registers, readies, st.builds(Wait, iteration=st.integers(-1, 4)),
-    st.just(StatusRequest()), st.just(Goodbye()),
-    # daemon messages sent the wrong way
-    st.builds(Welcome, protocol=st.just(PROTOCOL_VERSION), version=st.just("0"),
-              backend=st.just("gloo")),
-    st.builds(Done, iteration=st.integers(0, 3)),
-    st.builds(Error, code=st.sampled_from(sorted(CODES)), message=st.just("commd: x")),
-    st.builds(Registered, nodes=st.just(1), node_index=st.just(0), groups=st.just([[0]]),
-              planner=st.just("wfbp")),
-    st.builds(StatusReply, status=st.just({})),
-)
-
-
-@st.composite
-def joins(draw: st.DrawFn) -> PeerJoin:
-    world = draw(st.integers(1, 3))
-    ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True))
-    return PeerJoin(protocol=PROTOCOL_VERSION, job=draw(jobs), ranks=ranks, world_size=world,
-                    layers=draw(layer_lists), dtype=draw(st.sampled_from(DTYPES)),
-                    op=draw(st.sampled_from(OPS)),
-                    planner=draw(st.sampled_from(["wfbp", "optimal", "syncea", "mgwfbp"])),
-                    host="127.0.0.1", compression=draw(st.sampled_from(["none", "topk:0.05"])),
-                    profile=draw(st.booleans()))
-
-
-comm_rows = st.lists(st.lists(st.floats(-1, 1e6), min_size=4, max_size=5), max_size=4)
-peer_messages = st.one_of(
-    joins(),
-    st.builds(PeerProfile, job=jobs, round=st.integers(-1, 3), iteration=st.integers(-1, 30),
-              ready_offsets_s=st.lists(floats, max_size=4), comm=comm_rows,
-              measured_comm_s=floats, iteration_s=floats,
-              gains=st.lists(st.lists(st.floats(0, 2), min_size=2, max_size=2), max_size=2),
-              plan=st.integers(0, 3), step_s=floats),
-    st.builds(PeerLeave, job=jobs),
-    st.builds(PeerAbort, job=jobs, code=st.sampled_from(sorted(CODES)),
-              message=st.just("commd: x")),
-    st.builds(PeerSetup, job=jobs, generation=st.integers(0, 3), node_index=st.integers(0, 2),
-              nodes=st.integers(1, 3), store_port=st.integers(0, 65535),
-              planner=st.just("wfbp")),
-    st.builds(PeerPlan, job=jobs, round=st.integers(0, 3),
-              effective_iteration=st.integers(0, 30), version=st.integers(0, 3),
-              groups=st.just([[0]]), alpha_s=floats, beta_s_per_byte=floats,
-              predicted_comm_s=floats),
-    # a client's messages sent to the peer port
-    hellos(), readies,
-)
-
-SPECIAL = st.sampled_from(fuzz.SPECIAL)
-hostile = st.one_of(
-    SPECIAL,
-    st.integers(-(2**63), 2**64 - 1),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=40),
-    st.binary(max_size=40),
-    st.lists(st.integers(-(2**63), 2**64 - 1), max_size=6),
-    st.integers(1, 1500).map(lambda depth: Raw(b"\x91" * depth + b"\xc0")),  # deep nesting
-)
-
-@st.composite
-def mutated(draw: st.DrawFn, messages: st.SearchStrategy[msgspec.Struct]) -> bytes:
-    """A valid message, changed by a few of: drop, retype, duplicate or add a field, re-tag,
-    change one element of a list (or one field of a nested map); then perhaps cut or flip
-    one byte of the packed frame."""
-    message = builtins(draw(messages))
-    for _ in range(draw(st.integers(0, 3))):
-        keys = sorted(k for k in message if k != DUP)
-        key = draw(st.sampled_from(keys)) if keys else "type"
-        action = draw(st.sampled_from(
-            ["drop", "set", "set", "dup", "extra", "retag", "element", "element"]))
-        if action == "drop":
-            message.pop(key, None)
-        elif action == "set":
-            message[key] = draw(hostile)
-        elif action == "dup":
-            message.setdefault(DUP, []).append((key, draw(hostile)))
-        elif action == "extra":
-            message[draw(st.sampled_from(FIELDS) | st.text(max_size=10))] = draw(hostile)
-        elif action == "retag":
-            message["type"] = draw(st.sampled_from(TAGS) | st.text(max_size=12) | hostile)
-        elif isinstance(message.get(key), list) and message[key]:
-            items = message[key] = list(message[key])
-            index = draw(st.integers(0, len(items) - 1))
-            if isinstance(items[index], dict) and items[index]:
-                inner = items[index] = dict(items[index])
-                inner[draw(st.sampled_from(sorted(inner)))] = draw(hostile)
-            else:
-                items[index] = draw(hostile)
-        else:
-            message[key] = draw(hostile)
-    frame = pack(message)
-    tweak = draw(st.sampled_from(["none", "none", "none", "cut", "flip"]))
-    if tweak == "cut" and frame:
-        frame = frame[:draw(st.integers(0, len(frame) - 1))]
-    elif tweak == "flip" and frame:
-        at = draw(st.integers(0, len(frame) - 1))
-        frame = frame[:at] + bytes([frame[at] ^ draw(st.integers(1, 255))]) + frame[at + 1:]
-    return frame
-
-
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
-                    st.floats(), st.text(max_size=20), st.binary(max_size=20))
-msgpack_values = st.recursive(
-    scalars,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), children, max_size=4),
-    max_leaves=20,
-)
-
-
-@st.composite
-def typed_maps(draw: st.DrawFn) -> bytes:
-    """Random values in the shape of a message: a known tag and known field names."""
-    fields = draw(st.dictionaries(st.sampled_from(FIELDS), msgpack_values | hostile, max_size=6))
-    return pack({"type": draw(st.sampled_from(TAGS)), **fields})
-
-
-def frames_of(messages: st.SearchStrategy[msgspec.Struct]) -> st.SearchStrategy[bytes]:
-    return st.one_of(
-        mutated(messages), mutated(messages), mutated(messages),
-        st.binary(max_size=256),
-        msgpack_values.map(pack),
-        typed_maps(),
-    )
-
-
-ipc_frames = frames_of(client_messages).filter(lambda frame: not stack_sensitive(frame))
-peer_frames = frames_of(peer_messages)
-# A message of several ZeroMQ frames.
-multipart = st.lists(st.binary(max_size=32), min_size=2, max_size=3)
+ipc_frames = fuzz.frames("ipc").filter(lambda frame: not stack_sensitive(frame))
+peer_frames = fuzz.frames("peer")
+# aimed at the registered one-rank job of fuzz.RUNNING_LAYERS layers: mostly ready and wait
+running_frames = fuzz.frames("running").filter(lambda frame: not stack_sensitive(frame))
 
 
 # --- the checks ------------------------------------------------------------------------------
@@ -335,7 +168,7 @@ async def zmq_context() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 @FUZZ
-@given(frames=st.lists(ipc_frames | multipart, min_size=1, max_size=8), greet=st.booleans())
+@given(frames=st.lists(ipc_frames, min_size=1, max_size=8), greet=st.booleans())
 async def test_every_ipc_frame_gets_one_typed_reply(
         daemon: Daemon, zmq_context: zmq.asyncio.Context, frames: list[Any],
         greet: bool) -> None:
@@ -374,21 +207,6 @@ async def test_every_ipc_frame_gets_one_typed_reply(
         client.socket.close(linger=0)
 
 
-# Frames aimed at a running job: mostly ready and wait, changed like the others.
-running_messages = st.one_of(
-    st.builds(Ready, layers=st.lists(st.integers(-1, 3), max_size=4), sent_at=floats,
-              stamps=st.lists(floats, max_size=4)),
-    st.builds(Wait, iteration=st.integers(-2, 3)),
-    client_messages,
-)
-running_frames = st.one_of(
-    mutated(running_messages), mutated(running_messages),
-    st.builds(Ready, layers=st.permutations([0, 1, 2]).map(list)).map(builtins).map(pack),
-    st.builds(Wait, iteration=st.integers(0, 2)).map(builtins).map(pack),
-    st.binary(max_size=64), typed_maps(),
-).filter(lambda frame: not stack_sensitive(frame))
-
-
 @FUZZ
 @given(frames=st.lists(running_frames, min_size=1, max_size=12))
 async def test_frames_into_a_running_job_get_typed_replies(
@@ -397,10 +215,10 @@ async def test_frames_into_a_running_job_get_typed_replies(
     it answers is typed and never an internal error, and it goes away at goodbye."""
     job = f"fz-run-{next(_examples)}"
     client = RawClient(zmq_context, daemon.settings.socket)
-    buffer = HostBuffer(f"commd-fuzz-{job}", 4 * 9)
+    buffer = HostBuffer(f"commd-fuzz-{job}", 4 * 3 * fuzz.RUNNING_LAYERS)
     try:
-        reply = await register_job(daemon, client, buffer, job,
-                                   [{"name": f"l{i}", "size": 3} for i in range(3)])
+        reply = await register_job(daemon, client, buffer, job, [
+            {"name": f"l{i}", "size": 3} for i in range(fuzz.RUNNING_LAYERS)])
         assert reply["type"] == "registered", reply
         for frame in frames:
             await client.send(frame)
@@ -446,7 +264,7 @@ async def peer_barrier(peer: zmq.asyncio.Socket) -> None:
 
 
 @FUZZ
-@given(frames=st.lists(peer_frames | multipart, min_size=1, max_size=10))
+@given(frames=st.lists(peer_frames, min_size=1, max_size=10))
 async def test_peer_frames_never_stop_the_peer_loop(
         daemon: Daemon, zmq_context: zmq.asyncio.Context, frames: list[Any]) -> None:
     peer = peer_dealer(zmq_context, daemon)  # with the daemon's (local) key
