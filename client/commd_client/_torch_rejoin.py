@@ -34,6 +34,9 @@ _WORD = 4  # bytes per float64 element: a uint32 is exact in float64
 
 
 class Stateful(Protocol):
+    """What ``register_state`` takes (an optimizer, a scheduler): an object whose ``state_dict()``
+    travels with the training state and that a joiner loads it back into."""
+
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...

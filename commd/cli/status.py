@@ -31,6 +31,8 @@ from commd_protocol.status import (
 
 
 class NoDaemon(Exception):
+    """No daemon answered ``commd status`` on the socket (not reachable, silent, or an unreadable
+    or unexpected reply); the message says which, in one line."""
     pass
 
 

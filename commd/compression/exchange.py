@@ -65,6 +65,10 @@ class CpuTimes:
 
 @dataclass(frozen=True)
 class ExchangeResult:
+    """What exchanging one compressed group measured on this node: its gain, the value
+    collectives' time on the wire, its CPU work and, where asked, the gains of smaller top-k
+    counts."""
+
     gain: float  # ‖E at the sent indices‖² / ‖E‖² on this node
     wire_s: float  # the value collectives' time on the wire
     cpu: CpuTimes

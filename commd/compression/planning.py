@@ -55,6 +55,10 @@ DEFAULT_CPU = CpuCost(select_s_per_element=3e-9, update_s_per_element=3e-9, per_
 
 @dataclass(frozen=True)
 class LinkCost:
+    """One message's cost on one link between two nodes, a + b·bytes: ``link_cost`` derives it
+    from the fitted all-reduce cost, as a ring all-reduce of M bytes sends 2(n − 1) messages of
+    M/n bytes."""
+
     alpha_s: float  # per message
     beta_s_per_byte: float  # per byte on one link
 

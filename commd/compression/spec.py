@@ -41,6 +41,11 @@ MAX_START = 10**9
 
 @dataclass(frozen=True)
 class CompressionSpec:
+    """``topk:RATIO[:EXCHANGE][:momentum=M]`` or ``topk:auto[...]``: top-k sparsification keeping
+    ``ratio`` of each compressed group's elements (None: the coordinator picks it), exchanged by
+    allgather or allreduce (``auto``: the coordinator's trials choose). ``str`` gives the whole
+    spec."""
+
     ratio: float | None  # None: the daemon chooses (`topk:auto`)
     exchange: str  # "allgather", "allreduce" or "auto"
     # Momentum correction (DGC, without factor masking): the node keeps the velocity

@@ -19,6 +19,9 @@ T = TypeVar("T")
 
 
 class WireSpans(Protocol):
+    """What an exchange asks of the job's wire clock (``WireClock``): a collective's time on the
+    wire, counted from when it could start."""
+
     def span(self, launched: float) -> float:
         """Seconds on the wire of a collective launched at ``launched`` that just ended."""
         ...

@@ -60,6 +60,10 @@ WORDS = {HALF: "float16 on the wire", LOW_RANK: f"low-rank (PowerSGD rank {AUTO_
 
 @dataclass
 class AutoChoice:
+    """The ``PlanChoice`` of a ``compression="auto"`` job (the steps above): what the plan in force
+    and the next one run, dense's measured step and exposed communication, each candidate's
+    rounds, the loss guard's count, and the verdict status shows."""
+
     nodes: int
     sizes: Sequence[int]  # elements per layer, forward order
     rows: Sequence[int]  # matrix rows per layer (0: a vector)

@@ -69,6 +69,10 @@ def choice_for(compression: str, nodes: int, itemsize: int, sizes: Sequence[int]
 
 @dataclass
 class CompressedChoice:
+    """A top-k job's ``PlanChoice``: its ``CompressionPolicy``, the candidate the next plan runs,
+    the network's a, b from rounds that ran dense, and one plan search per candidate the
+    trials settled on (see the module's docstring)."""
+
     spec: CompressionSpec
     nodes: int
     itemsize: int = 4

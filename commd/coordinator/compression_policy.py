@@ -79,6 +79,10 @@ Predict = Callable[[Candidate], float]  # seconds per iteration the model expect
 
 @dataclass
 class CompressionPolicy:
+    """One top-k job's choices (the module's docstring): the ratio and the gains it is solved
+    from, the CPU cost the nodes measured, the ``ExchangeTrials``, and the candidate the plan
+    in force runs."""
+
     spec: CompressionSpec
     nodes: int
     itemsize: int = 4

@@ -83,6 +83,12 @@ def _checked_decision(replanner: Replanner, reports: list[PeerProfile],
 
 
 class Coordinator:
+    """The coordinator of every job whose nodes join on this daemon's peer endpoint: it gathers a
+    job's joins and checks that they agree, sets the job up on every node (``PeerSetup``),
+    plans each round from the nodes' reports (``PeerPlan``), watches the nodes' liveness and
+    stalls, and aborts the job on every node when it fails. A tolerant job's membership
+    changes go to its ``Tolerance``."""
+
     def __init__(self, send: SendNode, store_port: Callable[[str], int],
                  deadlines: Deadlines = DEFAULT_DEADLINES, limits: JoinLimits | None = None,
                  plan_in_thread: bool = False,

@@ -61,6 +61,9 @@ SEARCH_GAIN = 0.6
 
 @dataclass(frozen=True, order=True)
 class Candidate:
+    """One exchange a compressed job may run: ``dense``, or top-k at ``ratio`` by allgather or
+    allreduce. Its ``str`` is the name status shows (``allgather@0.01``)."""
+
     exchange: str  # "dense", "allgather" or "allreduce"
     ratio: float = 0.0  # top-k ratio (0: dense)
 
@@ -73,6 +76,10 @@ DENSE = Candidate("dense")
 
 @dataclass
 class ExchangeTrials:
+    """One compressed job's trials of its candidates (the steps above): the step each measured
+    and the model's prediction, the candidate chosen and the reference step its watch compares
+    with, and the epochs in which every candidate was measured anew."""
+
     measured: dict[Candidate, float] = field(default_factory=dict)  # step seconds, this epoch
     # the latest step each candidate measured in any epoch (never cleared): `topk:auto`'s
     # time against the ratio keeps the explored ratios' steps when an epoch starts anew

@@ -16,6 +16,10 @@ from commd_protocol.dtypes import itemsize
 
 @dataclass
 class Formation:
+    """One job as its coordinator holds it: the nodes that joined and their ranks, whether it has
+    formed, its ``Replanner`` and the rounds reported so far, the watch over its nodes and,
+    under fault_tolerance="continue", its membership and the change under way."""
+
     job: str
     world_size: int
     joins: dict[bytes, PeerJoin] = field(default_factory=dict)
@@ -58,6 +62,9 @@ class Formation:
 
 @dataclass(frozen=True)
 class Deadlines:
+    """The coordinator's time limits, from the daemon's settings: to form a job, for a node's
+    silence, and for a stall to be named or to fail the job."""
+
     form_s: float = 300.0  # a job must form within this
     peer_s: float = 10.0  # a node silent this long fails the job
     stall_warn_s: float = 60.0  # a stall this long is named

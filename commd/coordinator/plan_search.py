@@ -44,6 +44,9 @@ def _plan(groups: Groups) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class Trial:
+    """One plan the search measured: the per-group overhead it was made with, its number of
+    groups, the step it measured and the groups it ran."""
+
     overhead_s: float
     groups: int
     step_s: float
@@ -55,6 +58,9 @@ class Trial:
 
 @dataclass
 class PlanSearch:
+    """One search (the module's docstring): the overhead plans are made with now, the trials so
+    far and whether it is done; ``enabled=False`` where there is nothing to search."""
+
     enabled: bool = True
     overhead_s: float = 0.0  # the per-group overhead plans are made with now
     done: bool = False

@@ -39,6 +39,10 @@ SEARCHED_PLANNERS = ("optimal", "mgwfbp")  # the planners whose plans depend on 
 
 @dataclass(frozen=True)
 class Decision:
+    """One round's plan as the ``Replanner`` decides it: from which iteration it runs, its version
+    and groups, the fitted cost and prediction, why, and what the choice and the plan search
+    say. The coordinator sends it to every node as a ``PeerPlan``."""
+
     effective_iteration: int
     version: int
     groups: list[list[int]]
@@ -58,6 +62,10 @@ class Decision:
 
 @dataclass
 class Replanner:
+    """One job's plans on its coordinator: the plan in force (version, groups, exchanges, ratio),
+    the fitted a, b and backward profile it was made from, the plan search, and the
+    ``PlanChoice`` of what the groups exchange."""
+
     planner: str
     sizes_bytes: list[int]
     nodes: int = 1

@@ -20,12 +20,17 @@ from commd_protocol.peer import NAME_UNMARKED_AFTER_S, describe_unmarked
 
 @dataclass
 class NodeWatch:
+    """One node of a job as the watch sees it: when it was last heard and its last heartbeat."""
+
     heard_at: float  # the node's last message for this job (monotonic)
     beat: PeerHeartbeat | None = None
 
 
 @dataclass
 class Stall:
+    """A stall named: the iteration and the ranks that have not marked (a new pair is a new
+    stall), its words, and how long it has lasted."""
+
     key: tuple[int, tuple[int, ...]]  # (iteration, the ranks that have not marked)
     message: str
     seconds: float
@@ -33,6 +38,9 @@ class Stall:
 
 @dataclass
 class JobWatch:
+    """The watch over one job: every node's ``NodeWatch``, when ``PeerStatus`` last went out, and
+    the stall in force."""
+
     nodes: dict[bytes, NodeWatch] = field(default_factory=dict)
     status_at: float = 0.0  # when PeerStatus last went out
     stall: Stall | None = None

@@ -28,6 +28,9 @@ RECEIVE_BACKOFF_S = 0.01  # after a failed receive: a socket error must not spin
 
 
 class Guard:
+    """One message loop's guard (``loop`` names it): what handling its frames raised or refused,
+    logged rarely and counted by kind (the metrics show the counts)."""
+
     def __init__(self, loop: str) -> None:
         self.loop = loop
         self.counts: Counter[str] = Counter()

@@ -47,6 +47,9 @@ class _Connection:
 
 @dataclass
 class Handed:
+    """A host buffer handed over and not yet claimed: its descriptor, the sender's pid and uid
+    (from the kernel) and when it came."""
+
     fd: int
     pid: int  # of the process that sent it, from the kernel
     uid: int
@@ -72,6 +75,10 @@ def check_descriptor(fd: int) -> None:
 
 
 class BufferSocket:
+    """The buffer socket (the module's docstring): takes each connection's one descriptor, checks
+    it, keeps it by token until a ``register`` claims it, and closes what is not claimed within
+    CLAIM_S."""
+
     def __init__(self, path: str) -> None:
         self.path = path
         self._listener: socket.socket | None = None

@@ -17,6 +17,9 @@ from commd_protocol import Hello
 
 
 class JobFactory:
+    """Makes the ``Job`` of a hello that names a new job id: its ``JobContext``, from the daemon's
+    settings and from the backend and peer port that start-up fills in."""
+
     def __init__(self, settings: Settings, executor: Executor, send_client: SendClient,
                  send_peer: SendPeer) -> None:
         self.settings = settings

@@ -38,6 +38,8 @@ class KeyFileError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterKey:
+    """A CurveZMQ key pair in Z85: the same on every node of a cluster, for peers' handshakes."""
+
     public: bytes  # Z85
     secret: bytes  # Z85
 

@@ -58,12 +58,18 @@ log = logging.getLogger("commd.server")
 
 @dataclass
 class Session:
+    """One client connection that said hello: the job and local rank it is, and its user."""
+
     job: Job
     member: LocalRank
     uid: int  # of the process on the connection, from the kernel
 
 
 class ClientSessions:
+    """The daemon's jobs as its clients make them: each connection's session, the job table (a job
+    starts with a hello and ends when its last rank has gone), what each user holds of the
+    caps, the client processes watched through pidfds, and the jobs that ended lately."""
+
     def __init__(self, new_job: Callable[[Hello], Job],
                  send: SendClient, welcome: Callable[[], Welcome],
                  status: Callable[[], DaemonStatus], buffers: BufferSocket,

@@ -40,6 +40,10 @@ def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> 
 
 @dataclass(frozen=True)
 class Settings:
+    """Every option of the daemon, typed, as resolved from the defaults, the config file, the
+    environment and the command line; each field's metadata holds its help line and valid
+    values."""
+
     socket: str = _option(DEFAULT_SOCKET, "ipc socket path for this node's training processes")
     listen: str = _option("", f"HOST:PORT for peer daemons ('': 0.0.0.0:{DEFAULT_PEER_PORT} "
                           f"with a cluster key, else 127.0.0.1:{DEFAULT_PEER_PORT})")
@@ -100,6 +104,9 @@ class Settings:
 
 @dataclass(frozen=True)
 class Option:
+    """One option as flags, environment variables and TOML keys are made from it: a field of
+    ``Settings``."""
+
     name: str
     type: type
     default: Any

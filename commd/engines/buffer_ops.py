@@ -25,6 +25,10 @@ INLINE_BYTES = 256 * 1024
 
 
 class BufferOps(ABC):
+    """What the data plane does to buffers of one kind (``HostOps``: numpy in shared memory;
+    ``CudaOps``: device memory on the job's stream): the local sum, the scale and copy back, and
+    the points where device work waits for the ranks and they for it."""
+
     kind: str = "cpu"  # "cpu" or "cuda": which engines can take these buffers
     stream_ordered: bool = False  # True: every operation only enqueues device work
     done_event: bytes = b""  # device: the IPC handle of the event the clients wait on

@@ -29,6 +29,9 @@ def lingering() -> int:
 
 
 class GlooEngine(Engine):
+    """One job's Gloo group among its nodes, on host buffers: the group, the store it formed
+    through, and, when it is closed with collectives in flight, the two kept until those end."""
+
     name = "gloo"
 
     def __init__(self) -> None:

@@ -39,6 +39,9 @@ log = logging.getLogger("commd.engine.nccl")
 
 
 class NcclEngine(Engine):
+    """One job's NCCL communicator among its nodes, on device buffers: its collectives are
+    enqueued on the stream of the ``CudaOps`` bound to it (``bind``) before ``start``."""
+
     name = "nccl"
     buffer_kinds = ("cuda",)
 

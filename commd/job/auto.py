@@ -20,6 +20,10 @@ from commd.job.schedule import Plan
 
 
 class NodeAuto:
+    """The ``Compressor`` of a ``compression="auto"`` job on this node: float16 groups run through
+    its ``NodeHalf``, the others through its ``NodeLowRank``, which also holds PowerSGD's error
+    feedback for both."""
+
     def __init__(self, low_rank: NodeLowRank, half: NodeHalf) -> None:
         self.low_rank = low_rank
         self.half = half

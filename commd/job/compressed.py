@@ -47,6 +47,10 @@ def lower_gains_due(iteration: int) -> bool:
 
 
 class NodeCompression:
+    """The ``Compressor`` of a top-k job on this node: the error-feedback residuals (and momentum
+    correction's velocity), the release of what top-k held back through later dense groups, and
+    what the iteration's compressed groups measured."""
+
     def __init__(self, like: np.ndarray, exchange: GroupExchange,
                  lower_ratios: Sequence[float] = ()) -> None:
         self.exchange = exchange

@@ -113,6 +113,10 @@ class IterationGains:
 
 @dataclass
 class IterationRecord:
+    """One iteration as this node measured it: when each layer became ready, each collective's
+    sample, the exposed communication, the iteration and step times, and what its compression
+    measured. The ``NodeProfiler`` sums a round of them up."""
+
     iteration: int
     ready_offsets_s: np.ndarray  # per layer, after the first layer became ready
     comm: list[CommSample]
@@ -130,6 +134,8 @@ class IterationRecord:
 
 @dataclass(frozen=True)
 class RoundSummary:
+    """A round of ``IterationRecord``s summed up for the coordinator's ``PeerProfile``."""
+
     ready_offsets_s: list[float]
     comm: list[list[float]]
     exposed_comm_s: float

@@ -11,6 +11,10 @@ _SHARED_FIELDS = ("world_size", "local_world_size", "coordinator")
 
 
 class Members:
+    """The local ranks of one job on this node, by local rank: each hello checked against the
+    first (world size, local world size, coordinator) and against the ranks already here, a
+    replacement put in a lost rank's place, and what the ranks registered."""
+
     def __init__(self, first: Hello) -> None:
         self.job = first.job
         self._first = first

@@ -142,6 +142,9 @@ class Mode(Protocol):
 
 
 class HostMode:
+    """Host buffers, dense groups: each group runs as a task on its ``Stage``; the iteration ends
+    with its record and the clients' ``done``."""
+
     def __init__(self, stage: Stage) -> None:
         self._stage = stage
 
@@ -167,6 +170,10 @@ class HostMode:
 
 
 class CompressedMode(HostMode):
+    """Host buffers with top-k or low-rank compression: ``HostMode``, but each group's collectives
+    wait for the previous group's (``turn``), and the iteration's gains come from the
+    compressor."""
+
     async def launch(self, plan: Plan, index: int, run: Iteration) -> asyncio.Future[Any]:
         """Every node issues the groups' collectives in plan order: a group issues its own
         once the previous group has issued all of its (a compressed group's may wait for CPU
@@ -194,6 +201,9 @@ class CompressedMode(HostMode):
 
 
 class DeviceMode:
+    """Device buffers: a group's work is only enqueued on the stream; the clients hear ``done`` once
+    the iteration is issued, and its record follows when the device has finished it, in order."""
+
     def __init__(self, stage: Stage) -> None:
         self._stage = stage
         self._records: asyncio.Future[None] | None = None  # the last pending record

@@ -20,6 +20,10 @@ class ReadyError(ValueError):
 
 
 class Readiness:
+    """The marks of the current iteration, per local rank and layer, with when each layer became
+    ready; the pipeline awaits each group here. A rank gone from a tolerant job counts as having
+    marked every layer."""
+
     def __init__(self, ranks: int, layers: int) -> None:
         self.ranks = ranks
         self._marked = np.zeros((ranks, layers), dtype=bool)

@@ -21,6 +21,10 @@ RECENT = 100  # iteration times kept for status
 
 
 class Reporter:
+    """One job's reports on this node: to the coordinator, round 0's probe and every
+    REPORT_EVERY iterations the round's summary (a later iteration awaits the decision on it);
+    for status, the latest figures."""
+
     def __init__(self, job: str, layers: int, *, profile: bool,
                  send: Callable[[PeerProfile], None],
                  expect_decision: Callable[[int], None],

@@ -19,6 +19,9 @@ HISTORY = 10  # plan changes kept for status
 
 @dataclass(frozen=True)
 class Plan:
+    """One merge plan as the node runs it: the coordinator's version, groups, exchanges and ratio,
+    with each group's span in the flat buffer worked out (``make_plan``)."""
+
     version: int
     groups: list[list[int]]
     spans: list[tuple[int, int]]  # element range of each group in the flat buffer

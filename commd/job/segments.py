@@ -47,6 +47,9 @@ def size_problem(size: int, needed: int) -> str:
 
 
 class SharedSegment:
+    """One rank's host buffer, mapped from the memfd it handed over: the mapping, checked against
+    the layout, and ``close``, which drops it once the job is over or the rank left."""
+
     def __init__(self, fd: int, needed: int) -> None:
         """Map the first ``needed`` bytes of ``fd`` (not closed here); SegmentError unless
         the memfd holds between ``needed`` and ``needed`` + one page."""

@@ -35,6 +35,10 @@ class JobError(Exception):
 
 @dataclass
 class LocalRank:
+    """One rank of a job on this node, from its hello to its departure: its connection and pid, its
+    buffer and registration, the iteration it waits for, what it was last told, and whether it
+    left or is a replacement waiting to be taken in."""
+
     identity: bytes
     rank: int
     local_rank: int

@@ -36,6 +36,9 @@ class ResumeError(Exception):
 
 
 class TolerantPipeline(Pipeline):
+    """The ``Pipeline`` of a ``fault_tolerance="continue"`` job (the module's docstring): its groups
+    are reduced in the epoch's work buffer and reach the ranks' buffers only after the commit."""
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         total = sum(self.sizes)

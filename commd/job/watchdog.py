@@ -19,6 +19,10 @@ class CollectiveOverdue(Exception):
 
 
 class CollectiveWatch:
+    """The watchdog of one job's data plane on this node: each collective (or awaited span) gets a
+    timer at its limit, and one still running then fails the job through ``on_overdue`` with a
+    ``CollectiveOverdue`` naming it, unless ``patient()`` says to wait one more limit."""
+
     def __init__(self, factor: float, floor_s: float, where: str,
                  on_overdue: Callable[[BaseException], None],
                  patient: Callable[[], bool] = lambda: False) -> None:

@@ -22,6 +22,8 @@ __all__ = ["Bert", "BertConfig", "bert_base"]
 
 @dataclass(frozen=True)
 class BertConfig:
+    """The encoder's shapes; the defaults are bert-base-uncased's, with a 2-class head."""
+
     vocab_size: int = 30522
     hidden: int = 768
     layers: int = 12
@@ -35,6 +37,9 @@ class BertConfig:
 
 
 class SelfAttention(nn.Module):
+    """Multi-head self-attention with separate query, key, value and output projections, each its
+    own gradient tensor, and torch's fused scaled dot-product attention."""
+
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.heads = cfg.heads

@@ -13,6 +13,8 @@ __all__ = ["SmallCNN", "small_cnn"]
 
 
 class SmallCNN(nn.Module):
+    """Four 3x3 convolutions in two pooled stages, then a 4096→128→``num_classes`` classifier."""
+
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(

@@ -32,6 +32,9 @@ __all__ = ["LayerTiming", "Measurement", "measure"]
 
 @dataclass(frozen=True)
 class LayerTiming:
+    """One parameter tensor's part of the backward pass: its name, its gradient's bytes, and the
+    backward seconds charged to it (its scaled median)."""
+
     name: str
     bytes: int
     backward_s: float
@@ -39,6 +42,9 @@ class LayerTiming:
 
 @dataclass(frozen=True)
 class Measurement:
+    """What ``measure`` found for one model on this machine: the forward and backward times and the
+    per-layer timings, whose backward seconds sum to ``backward_s``."""
+
     forward_s: float  # median forward + loss time
     layers: list[LayerTiming]  # forward (registration) order
     backward_s: float  # median backward start -> last gradient ready (= sum of layers)

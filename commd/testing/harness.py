@@ -29,6 +29,9 @@ from commd.testing.processes import stop_process
 
 
 class DaemonHarness:
+    """One benchmark run's daemons, work folder and jobs (the module's docstring): what ``close``
+    stops and cleans up."""
+
     def __init__(self, prefix: str, keep_logs: bool = False) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
         self.keep_logs = keep_logs

@@ -44,6 +44,9 @@ def numel(size: int | list[int]) -> int:
 
 @dataclass
 class JobSpec:
+    """One job of rank worker processes: its nodes (the first coordinates), ranks per node, layers
+    and what every rank registers and runs; ``overrides`` changes a rank's worker spec."""
+
     job: str
     nodes: Sequence[Node]  # the first coordinates
     ranks_per_node: int

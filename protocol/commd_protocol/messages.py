@@ -31,6 +31,11 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, kw_onl
 
 
 class Hello(_Msg, tag="hello"):
+    """The first message a rank's client sends on its connection (``Client()``): which job it is
+    and its place in it. The first hello of a job creates the job on this node, owned by the
+    user who sent it; later ones add ranks to it. The daemon answers ``Welcome``, or ``Error``
+    (a bad value, a cap reached, another user's job, a rank that contradicts the others)."""
+
     protocol: int
     job: str
     rank: int
@@ -42,6 +47,9 @@ class Hello(_Msg, tag="hello"):
 
 
 class Layer(msgspec.Struct, array_like=False, kw_only=True):
+    """One layer of a ``Register``: its name, its number of elements and the rows of its matrix
+    view (which low-rank compression needs)."""
+
     name: str
     size: int  # number of elements
     # Rows of the layer's matrix view, shape[0] of a tensor of 2 or more dimensions (a
@@ -52,6 +60,12 @@ class Layer(msgspec.Struct, array_like=False, kw_only=True):
 
 
 class Register(_Msg, tag="register"):
+    """Sent once by each rank after the welcome (``Client.register``): its layers in forward
+    order, dtype and op, where its flat buffer is (a host buffer's token or a device buffer's
+    CUDA IPC handles) and the job's choices (planner, compression, fault tolerance). The local
+    ranks must agree. Once every rank of every node has registered and the coordinator's first
+    plan has come, each rank gets ``Registered``; a bad or mismatched one gets ``Error``."""
+
     layers: list[Layer]  # forward order
     dtype: str
     op: str
@@ -77,6 +91,10 @@ class Register(_Msg, tag="register"):
 
 
 class Ready(_Msg, tag="ready"):
+    """Sent during an iteration (``Client.ready``, batched by the plan's groups): layers whose
+    gradients are final. A group is reduced once every local rank has marked all its layers.
+    Nothing answers it but an ``Error`` for a bad one; the iteration's answer is ``Done``."""
+
     # forward-order indices whose gradients are final for this iteration (each at most once)
     layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
     sent_at: float = 0.0  # the client's CLOCK_MONOTONIC seconds at sending (0: not given);
@@ -88,10 +106,17 @@ class Ready(_Msg, tag="ready"):
 
 
 class Wait(_Msg, tag="wait"):
+    """Sent once a rank has marked every layer (``Client.wait``): it waits for ``iteration`` to be
+    reduced. The daemon answers ``Done`` when it is (at once if it already is), meanwhile
+    ``Progress`` every few seconds and ``Joining`` when ranks join a tolerant job; ``Error`` if
+    the job fails."""
+
     iteration: int
 
 
 class StatusRequest(_Msg, tag="status"):
+    """``commd status`` asks the daemon what it is doing. It needs no hello; the daemon answers at
+    once with ``StatusReply``."""
     pass
 
 
@@ -109,6 +134,8 @@ class TraceRequest(_Msg, tag="trace"):
 
 
 class Goodbye(_Msg, tag="goodbye"):
+    """The rank leaves its job (``Client.close``); nothing answers it. A client that dies without
+    it is noticed through its pid and counts as lost. The job ends when its last rank has gone."""
     pass
 
 
@@ -116,6 +143,9 @@ class Goodbye(_Msg, tag="goodbye"):
 
 
 class Welcome(_Msg, tag="welcome"):
+    """The daemon's answer to ``hello``: its protocol and version, the engine it runs (``nccl`` or
+    ``gloo``) and the socket to which a rank hands its host buffer before ``register``."""
+
     protocol: int
     version: str
     backend: str
@@ -123,6 +153,11 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Registered(_Msg, tag="registered"):
+    """The answer to ``register``, sent to every local rank once the job runs: the node's place
+    among the job's nodes and the first plan's groups, which the client batches its ready marks
+    by. A replacement rank that joins a running tolerant job gets one too, saying where the
+    job stands and which rank gives it the training state."""
+
     nodes: int
     node_index: int
     groups: list[list[int]]  # forward-order layer indices, in communication order
@@ -144,6 +179,11 @@ FAULT_TOLERANCE = ("fail", "continue")
 
 
 class Done(_Msg, tag="done"):
+    """The answer to ``wait`` once ``iteration`` is reduced: every layer of the rank's buffer holds
+    the sum or average (a device buffer: once its work is issued, ended by the done event). It
+    names the plan the iteration ran with, what is known of the next one, and, in a tolerant
+    job, the membership epoch."""
+
     iteration: int
     plan: int = 0  # version of the merge plan this iteration ran with
     next_plan: int = 0  # the version the next iteration will run with (0: not decided yet)
@@ -160,6 +200,9 @@ class Done(_Msg, tag="done"):
 
 
 class Error(_Msg, tag="error"):
+    """Why a message could not be served (``ref`` names it), or, with ``fatal``, that the job
+    failed: a failure is sent unasked to every local rank, and answers each later wait."""
+
     code: str
     message: str
     ref: str = ""  # the type of the message this answers, when known
@@ -190,6 +233,8 @@ class Joining(_Msg, tag="joining"):
 
 
 class StatusReply(_Msg, tag="status_reply"):
+    """The answer to ``status``: the daemon's ``DaemonStatus`` as a plain map (status.py)."""
+
     status: dict[str, object]
 
 
@@ -205,6 +250,9 @@ class TraceEvent(msgspec.Struct, kw_only=True):
 
 
 class TraceReply(_Msg, tag="trace_reply"):
+    """The answer to ``trace`` once the iterations are recorded: this node's events of them.
+    ``commd trace`` asks every node's daemon and merges their replies into one trace."""
+
     job: str
     node_index: int = 0
     nodes: int = 1

@@ -37,6 +37,9 @@ class _Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
 
 class IterationTiming(_Status):
+    """A job's iteration time on this node, in seconds: the last iteration's, and the mean over the
+    last ones (up to 100)."""
+
     last: float
     mean: float
 
@@ -59,12 +62,19 @@ class CandidateTiming(_Status):
 
 
 class PlanChange(_Status):
+    """One entry of a job's plan history: from ``iteration`` on, the job ran with merge plan
+    ``version`` of ``groups`` groups (the last 10 changes are kept)."""
+
     iteration: int  # the first iteration that ran with the plan
     version: int
     groups: int
 
 
 class JobStatus(_Status):
+    """One job as this node sees it: its state and place, the plan in force and why, what was
+    measured, how compression exchanges and the membership. A field is None or empty until the
+    job has reached the stage that knows it."""
+
     job: str
     state: JobState
     world_size: int
@@ -139,6 +149,10 @@ class ShareStatus(_Status):
 
 
 class DaemonStatus(_Status):
+    """What ``commd status`` shows of one daemon: who it is (version, backend, socket, peer port,
+    uptime), its jobs, the jobs it coordinates, the peer handshakes it refused, what each user
+    holds of its caps and the jobs that ended lately."""
+
     version: str
     protocol: int
     backend: str

@@ -28,6 +28,9 @@ class DeviceMemoryError(ValueError):
 
 @dataclass
 class RankMemory:
+    """One rank's device buffer as the daemon mapped it: the allocation's base (unmapped at the
+    job's cleanup), the flat buffer as a cupy array, and the rank's interprocess event."""
+
     base: int  # what ipcOpenMemHandle returned: the mapped allocation's base
     array: Any  # cupy array: the flat buffer
     event: int  # the rank's interprocess event, opened here

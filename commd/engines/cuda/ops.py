@@ -39,6 +39,10 @@ log = logging.getLogger("commd.engine.cuda")
 
 
 class CudaOps(BufferOps):
+    """The ``BufferOps`` of one GPU (the module's docstring): the local ranks' mapped buffers and
+    events, the job's stream, the done event whose handle the clients get, and the thread that
+    watches the stream."""
+
     kind = "cuda"
     stream_ordered = True
 

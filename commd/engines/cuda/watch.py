@@ -35,6 +35,9 @@ class _Wait:
 
 
 class StreamWatcher:
+    """One job's waiting thread (the module's docstring): ``watch`` gives a future for an event's
+    completion, settled on the loop in the order the events were recorded."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop, *, synchronize: Callable[[int], None],
                  elapsed_ms: Callable[[int, int], float],
                  bind_thread: Callable[[], None] = lambda: None, name: str = "commd-watch"
