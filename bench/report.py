@@ -148,14 +148,6 @@ def hardening_overhead(data: dict[str, Any]) -> str:
               "(../bench/results/hardening-overhead.json).")
 
 
-def topk(data: dict[str, Any]) -> str:
-    import topk as bench
-
-    return (para(f"Float32, Gaussian data, medians of {data['repeats']} interleaved repeats; "
-                 f"passes = the path's time over one dense memory pass; the loops: "
-                 f"{data['loops']}:") + f"\n\n{bench.table(data)}\n\n{provenance('topk', data)}")
-
-
 def compression(data: dict[str, Any]) -> str:
     import compression as bench
 
@@ -193,15 +185,6 @@ def topk_offline(data: dict[str, Any]) -> str:
             f"{provenance('topk-offline', data)}")
 
 
-def grad_handover(data: dict[str, Any]) -> str:
-    import grad_handover as bench
-
-    return (para(f"{data['warmup']} warm-up and {data['steps']} measured steps alternating the "
-                 "two ways; rank 0's medians and the paired ratio (below 1: the fresh tensor "
-                 "is cheaper):") + f"\n\n{bench.table(data)}\n\n"
-            f"{provenance('grad-handover', data)}")
-
-
 def index(results: Path) -> str:
     """Every results file with the command and commit that wrote it."""
     rows = []
@@ -217,8 +200,7 @@ Renderer = Callable[[dict[str, Any]], str]
 RENDERERS: dict[str, Renderer] = {
     "time-to-loss": time_to_loss, "overhead": overhead, "replay": replay,
     "planner-quality": planner_quality, "elastic": elastic, "fuzz-worst": fuzz_worst,
-    "faults": faults, "hardening-overhead": hardening_overhead, "topk": topk,
-    "grad-handover": grad_handover, "compression": compression,
+    "faults": faults, "hardening-overhead": hardening_overhead, "compression": compression,
     "ddp-compare": ddp_compare, "ddp-compare-compression": ddp_compare_compression,
     "topk-offline": topk_offline,
 }

@@ -49,8 +49,8 @@ INDEX_CHUNK = 32_768  # indices per step of the gather/put kernels
 WORKERS = min(4, os.cpu_count() or 1)
 # Elements from which a kernel splits its buffer over the pool. Off below 4 CPUs: on 2 cores
 # the daemon's own 2-worker executor already fills them, and a split gains nothing the
-# whole path can see (bench/topk.py --parallel-min measures it). From 4 CPUs a split of
-# >= 4 M elements is expected to help. Tests lower it.
+# whole path can see (docs/design/compression.md, "Fast top-k, measured"). From 4 CPUs a split
+# of >= 4 M elements is expected to help. Tests lower it.
 PARALLEL_MIN = 4_000_000 if (os.cpu_count() or 1) >= 4 else sys.maxsize
 MAX_RUNS = 1024  # ascending runs in accumulate_pairs' input before it falls back to np.add.at
 

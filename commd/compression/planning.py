@@ -49,7 +49,7 @@ class CpuCost:
 
 NO_CPU = CpuCost(0.0, 0.0)
 # Before any node has measured: the fast path's order of magnitude on a small, shared machine
-# (bench/topk.py); the first measured round replaces it.
+# (docs/design/compression.md, "Fast top-k, measured"); the first measured round replaces it.
 DEFAULT_CPU = CpuCost(select_s_per_element=3e-9, update_s_per_element=3e-9, per_group_s=1e-3)
 
 
