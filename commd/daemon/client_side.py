@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -19,6 +20,12 @@ from commd_protocol import Error, encode
 __all__ = ["ClientSide", "ignore_result"]
 
 _DRAIN_BATCH = 1024  # messages handled per wake-up before yielding to the loop
+
+
+class FrameHandler(Protocol):
+    """Where the clients' messages go (``ClientSessions``)."""
+
+    def on_frames(self, frames: list[zmq.Frame]) -> None: ...
 
 
 class ClientSide:
@@ -35,7 +42,9 @@ class ClientSide:
         self.socket = bind_clients(context, path)
         self._path = path
 
-    async def serve(self, on_frames: Callable[[list[zmq.Frame]], None]) -> None:
+    async def serve(self, sessions: FrameHandler) -> None:
+        """Receive until cancelled, each message handed to ``sessions.on_frames`` (looked up
+        per message: whatever handles frames now)."""
         clients = self.socket
         assert clients is not None
         # A blocking view of the same socket: after each awaited receive, what is already
@@ -46,13 +55,13 @@ class ClientSide:
         # Frames, not bytes (copy=False): a frame's Peer-Address is the kernel's word on the
         # sender's uid, for its user's fair share (sessions, shares).
         def handle(frames: list[zmq.Frame]) -> None:
-            self.guard.call("a client frame", on_frames, frames)
+            self.guard.call("a client frame", sessions.on_frames, frames)
             for _ in range(_DRAIN_BATCH):
                 try:
                     more = queued.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self.guard.call("a client frame", on_frames, more)
+                self.guard.call("a client frame", sessions.on_frames, more)
 
         await serve(self.guard, lambda: clients.recv_multipart(copy=False), handle)
 

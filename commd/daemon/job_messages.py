@@ -12,6 +12,7 @@ import time
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
+from commd.daemon.peer_links import HEARTBEAT_TIMEOUT_S
 from commd.job import liveness
 from commd.job.job import Job
 from commd_protocol import (
@@ -54,6 +55,13 @@ class JobMessages:
             liveness.on_status(job, message, time.monotonic())
         elif isinstance(message, PeerAbort):
             job.on_abort(message)
+
+    def coordinator_closed(self, address: str) -> None:
+        """The link to the coordinator at ``address`` closed: every job it coordinates here
+        hears of it (``liveness.on_coordinator_closed`` decides what the close means)."""
+        now = time.monotonic()
+        for job in [job for job in self._jobs.values() if job.coordinator == address]:
+            liveness.on_coordinator_closed(job, now, HEARTBEAT_TIMEOUT_S)
 
     def _run(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

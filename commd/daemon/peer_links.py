@@ -21,17 +21,26 @@ log = logging.getLogger("commd.peers")
 
 _REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | _REFUSED[0] | _REFUSED[1] | _REFUSED[2]
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+           | _REFUSED[0] | _REFUSED[1] | _REFUSED[2])
+# libzmq drops a link whose peer sent no heartbeat for this long: a disconnect after such
+# silence is a cut-off or a stopped process, not the close a dying process makes.
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 class PeerLinks:
     """One DEALER per coordinator address, shared by every job coordinated there."""
 
     def __init__(
-        self, context: zmq.asyncio.Context, on_message: Callable[[str, PeerMessage], None]
+        self, context: zmq.asyncio.Context, on_message: Callable[[str, PeerMessage], None],
+        on_closed: Callable[[str], None] = lambda address: None,
     ) -> None:
+        """``on_closed(address)``: an established link to ``address`` closed (its daemon's
+        process ended, or it dropped a silent link: the caller tells them apart by how long
+        the coordinator had been silent)."""
         self._context = context
         self._on_message = on_message
+        self._on_closed = on_closed
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._states: dict[str, str] = {}  # "connecting", "up" or "refused", from the monitor
@@ -60,7 +69,7 @@ class PeerLinks:
         if self.key is not None:
             connect_securely(socket, self.key)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         monitor = socket.get_monitor_socket(_EVENTS)  # before connect: no event is missed
         socket.connect(f"tcp://{address}")
         self._links[address] = socket
@@ -73,11 +82,18 @@ class PeerLinks:
 
     async def _watch(self, address: str, monitor: zmq.asyncio.Socket) -> None:
         """The link's handshakes, for ``state``: a coordinator that never answers, or turns
-        our key away, is named to the job within seconds (commd.job.liveness)."""
+        our key away, is named to the job within seconds (commd.job.liveness); and the close
+        of a link that was up, for ``on_closed`` (ZeroMQ reconnects by itself: the state is
+        "connecting" again until a handshake succeeds)."""
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if event == zmq.EVENT_DISCONNECTED:
+                    if self._states.get(address) == "up":
+                        self._states[address] = "connecting"
+                        self.guard.call(f"the close of the link to {address}",
+                                        self._on_closed, address)
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._states[address] = "up"
                 elif event in _REFUSED:
                     self._states[address] = "refused"

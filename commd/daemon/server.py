@@ -72,9 +72,9 @@ class Daemon:
         self._client_guard = Guard("client")
         self._peer_guard = Guard("peer")
         self._clients = ClientSide(self._client_guard)
-        self._links = PeerLinks(self._context,
-                                lambda address, message: self._job_messages.deliver(
-                                    address, message))
+        self._links = PeerLinks(
+            self._context, lambda address, message: self._job_messages.deliver(address, message),
+            lambda address: self._job_messages.coordinator_closed(address))
         self._rendezvous = Rendezvous(settings)
         self._peers = PeerSide(self._peer_guard, lambda send: Coordinator(
             send, self._rendezvous.port, Deadlines(
@@ -136,8 +136,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         self._loops = [
-            loop.create_task(self._clients.serve(self._sessions.on_frames),
-                             name="commd-clients"),
+            loop.create_task(self._clients.serve(self._sessions), name="commd-clients"),
             loop.create_task(self._peers.serve(), name="commd-peers"),
         ]
         self._tasks = [*self._loops, loop.create_task(

@@ -2,7 +2,10 @@
 the coordinator's silence, and what its waiting ranks hear every few seconds.
 
 A node whose coordinator has sent nothing for ``peer_timeout_s`` (or never answered its join
-within CONNECT_S) fails the job on every local rank, naming the coordinator. A waiting rank
+within CONNECT_S) fails the job on every local rank, naming the coordinator. A coordinator
+whose process ended closes its connections: the link's close, while the coordinator was
+still talking, is that death (``on_coordinator_closed``), acted on at once; silence alone
+waits for the timeout, since nothing tells a crash from a cut-off there. A waiting rank
 hears a ``progress`` message every BEAT_S: what the job waits for (who has not registered or
 joined, a stall), who the job waits for (its timeout names them), and, by its arrival, that
 its daemon is alive.
@@ -24,6 +27,24 @@ def on_status(job: Job, message: PeerStatus, now: float) -> None:
     job.liveness.joined, job.liveness.stall = message.joined, message.stall
     job.liveness.stall_s, job.liveness.marks_pending = message.stall_s, message.marks_pending
     job.liveness.waiting_for = culprit_text(message.waiting_for)
+
+
+def on_coordinator_closed(job: Job, now: float, heartbeat_timeout_s: float) -> None:
+    """The link to the job's coordinator closed. Within ``heartbeat_timeout_s`` of its last
+    message, that close is its daemon's process ending (a link dropped for silence closes
+    only after that long without a word): a tolerant job turns to its roster's next node
+    at once, as one that saw a crash; any other job fails, naming the coordinator. After
+    longer silence the close says nothing new: the peer timeout decides."""
+    if not job.state.active or now - job.liveness.heard_at >= heartbeat_timeout_s:
+        return
+    address = job.coordinator
+    if address == job.ctx.peer_address(job.coordinator_host):
+        return  # coordinated by this very daemon: its own link is not the coordinator's life
+    problem = (f"the coordinator daemon at {address} closed its connection: its process "
+               "ended (or restarted)")
+    if job.epochs_enabled and job.membership.take_over(problem, crash=True):
+        return
+    job.fail(ErrorCode.RANK_LOST, problem)
 
 
 def culprit_text(words: str) -> str:

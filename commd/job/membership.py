@@ -346,9 +346,10 @@ class Membership:
 
     # --- the coordinator lost --------------------------------------------------------------------
 
-    def take_over(self, problem: str) -> bool:
-        """The coordinator is silent: stop, and ask the roster's next node to coordinate (the
-        node holding the lowest rank, past those given up on); False when there is none."""
+    def take_over(self, problem: str, *, crash: bool = False) -> bool:
+        """The coordinator is lost: stop, and ask the roster's next node to coordinate (the
+        node holding the lowest rank, past those given up on); False when there is none.
+        ``crash``: its process is known to have ended (its link closed), not only silent."""
         pipeline = self._job.tolerant_pipeline
         if self._job.state not in (JobState.RUNNING, JobState.REFORMING) or pipeline is None:
             return False
@@ -364,6 +365,7 @@ class Membership:
         lost, self.coordinator = self.coordinator, successor
         epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]
         epochs.taking_over = True
+        epochs.crash_seen = epochs.crash_seen or crash
         self._job.heard_from_coordinator()  # the new coordinator's silence counts from now
         log.warning("job %s: %s; asking %s to coordinate", self.id, problem, successor)
         self._send(PeerTakeover(

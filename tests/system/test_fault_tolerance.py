@@ -261,6 +261,17 @@ def test_the_coordinators_daemon_killed_the_next_node_takes_over(
     assert coordinating == [] or coordinating[0]["epoch"] >= 1
 
 
+def test_a_killed_coordinators_closed_link_is_taken_over_without_the_timeout(
+        tmp_path: Path) -> None:
+    """A killed process closes its connections: the survivors' links to the coordinator's
+    daemon close while it still talks, and they turn to the roster's next node at once. The
+    peer timeout here is longer than the test's whole budget, so only that close can have
+    started the takeover; the survivors go on identical."""
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", "600") as nodes:
+        outcome = kill_a_daemon(nodes, tmp_path, 12, 5, victim=0)
+    check_after_kill(outcome, 0, 12, 5)
+
+
 @pytest.mark.parametrize("victim", [0, 1])
 def test_two_nodes_survive_a_crashed_daemon(nodes: list[LocalDaemon], tmp_path: Path,
                                             victim: int) -> None:

@@ -72,6 +72,24 @@ def test_a_stopped_coordinator_fails_every_rank_naming_it(start_daemon) -> None:
             result
 
 
+def test_a_killed_coordinator_fails_every_other_rank_at_once_naming_it(start_daemon) -> None:
+    """SIGKILL of the coordinator's daemon closes its connections: node 1's link to it closes
+    while it still talks, and node 1's ranks fail naming it. The peer timeout is longer than
+    the test's budget: only that close can have told them."""
+    nodes = [start_daemon("--peer-timeout-s", "600"), start_daemon("--peer-timeout-s", "600")]
+    processes = start_ranks(endless("beheaded", nodes))
+    try:
+        await_registered(processes)
+        results, took = errors_after(processes, nodes[0].process.kill)
+    finally:
+        kill_all(processes)
+    assert took < TARGET_S + SLACK_S, took
+    for result in results[2:]:
+        assert result.get("error_type") == "CommdError", result
+        assert f"the coordinator daemon at {nodes[0].address} closed its connection: its " \
+            "process ended" in result["error"], result
+
+
 def test_an_unreachable_coordinator_is_named_within_seconds(start_daemon) -> None:
     node = start_daemon()
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
