@@ -339,6 +339,10 @@ class Tolerance:
             return None
         order = survivors_order(formation.joins)
         members = sorted(rank for join in formation.joins.values() for rank in join.ranks)
+        if len(order) > 1 and not formation.store_port:
+            # Formed on one node, the job had no store: a node joining it needs one now,
+            # reached at the address the first node's engine reaches us by (as ``_form``).
+            formation.store_port = self._store_port(formation.joins[order[0]].host)
         store_port = formation.store_port if len(order) > 1 else 0
         prefix = secrets.token_hex(16)  # a new group under new keys: the old one is abandoned
         if formation.replanner is not None:

@@ -399,6 +399,33 @@ def test_a_lost_node_is_replaced_and_every_replica_ends_identical(
         assert first["digests"][iteration] == expected_digest(everyone, iteration), iteration
 
 
+def test_a_one_node_job_takes_a_replacement_on_a_second_node(tmp_path: Path) -> None:
+    """Two ranks on one daemon; rank 1 dies and its replacement starts on a second daemon. A
+    job formed on one node had no rendezvous store: the change that takes the new node in
+    opens one, and both nodes end every iteration since with the same averages."""
+    iterations, lost_at, hold_at = 10, 3, 6
+    with daemon_set(tmp_path, 2, "--peer-timeout-s", str(PEER_TIMEOUT_S)) as nodes:
+        processes = start(nodes[:1], tmp_path, iterations,
+                          {1: {"die_at": lost_at, "die_when": "after_ready"},
+                           0: {"loss_at": lost_at, "hold_at": hold_at}}, per_node=2)
+        try:
+            assert processes[1].wait(timeout=60) == 17
+            progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+            joiner = replacement(nodes[1], nodes[0].address, progress, 1, 2, 1, iterations)
+            processes.append(joiner)
+            await_joined(progress / "joined", joiner)
+            survivor, joined = results([processes[0], joiner])
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+    for record in (survivor, joined):
+        assert "error" not in record and record["members"] == [0, 1], record
+    assert joined["digests"] == survivor["digests"][joined["joined_at"]:]
+    for iteration in range(joined["joined_at"], iterations):
+        assert survivor["digests"][iteration] == expected_digest([0, 1], iteration), iteration
+
+
 def replacement(host: LocalDaemon, coordinator: str, progress: Path, rank: int, world: int,
                 per_node: int, iterations: int) -> subprocess.Popen[str]:
     env = {**os.environ, "COMMD_FAULT_TOLERANCE": "continue"}
