@@ -16,7 +16,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["permission_problem", "unreachable"]
+__all__ = ["connect_problem", "unreachable"]
 
 _PROBE_S = 2.0  # a daemon too busy to accept at once is ZeroMQ's to wait for, not ours
 
@@ -33,7 +33,7 @@ def unreachable(path: str, hint: str = "is `commd run` running?") -> str:
                     f"{path}: this user (uid {os.geteuid()}) may not look inside it; ask to be "
                     "added to its group, or run as its user")
         return f"commd: no daemon socket at {path}; {hint}"
-    return permission_problem(path)
+    return connect_problem(path, hint)
 
 
 def _closed_directory(path: str) -> str:
@@ -50,9 +50,12 @@ def _closed_directory(path: str) -> str:
     return ""
 
 
-def permission_problem(path: str) -> str:
-    """'' unless the kernel refuses this process a connection to ``path``; then a "commd: "
-    line naming the socket's mode, user and group and what to do."""
+def connect_problem(path: str, hint: str = "is `commd run` running?") -> str:
+    """'' unless a connection to the socket file ``path`` fails for a reason a client should
+    hear now: the kernel refuses this process (a "commd: " line naming the socket's mode,
+    user and group and what to do), or nothing listens there (a daemon that was killed
+    leaves its socket file behind; ``hint`` says what to check). A client would otherwise
+    wait in silence for its timeout."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(_PROBE_S)
     try:
@@ -62,6 +65,9 @@ def permission_problem(path: str) -> str:
             return (f"commd: permission denied on the daemon socket {path}{_owners(path)}: "
                     f"this user (uid {os.geteuid()}) may not open it; ask to be added to its "
                     "group, or run as its user")
+        if exc.errno == errno.ECONNREFUSED:
+            return (f"commd: no daemon listens on {path} (a socket file left by a daemon that "
+                    f"stopped); {hint}")
     finally:
         probe.close()
     return ""

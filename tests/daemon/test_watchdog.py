@@ -104,6 +104,20 @@ def test_a_missing_socket_fails_at_once(tmp_path: Any) -> None:
     assert time.monotonic() - started < 1.0  # not the 10 s hello timeout
 
 
+@pytest.mark.timeout(60)
+def test_a_killed_daemons_socket_file_fails_a_client_at_once(start_daemon: Any) -> None:
+    """A daemon killed with SIGKILL cannot remove its socket file; a rank started then (a
+    torchrun restart) hears at once that nothing listens there. Its hello timeout is longer
+    than the test's budget: only that check can have ended the wait."""
+    daemon = start_daemon()
+    daemon.process.kill()
+    daemon.process.wait()
+    with pytest.raises(CommdError, match=r"no daemon listens on .*\(a socket file left by a "
+                       r"daemon that stopped\); is `commd run` running there\?"):
+        Client(job="j", rank=0, world_size=1, local_rank=0, local_world_size=1,
+               coordinator="127.0.0.1:1", socket=daemon.socket, timeout=600.0)
+
+
 def test_commd_timeout_sets_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("COMMD_TIMEOUT", raising=False)
     assert env.timeout() == 300.0 and env.timeout(12) == 12.0
