@@ -40,18 +40,18 @@ def test_no_socket_file() -> None:
     assert line == "commd: no daemon socket at /nonexistent; is `commd run` running?"
 
 
-def test_dead_socket_file_exits_within_the_timeout(tmp_path: Path) -> None:
+def test_a_dead_socket_file_is_said_at_once(tmp_path: Path) -> None:
+    """The file a killed daemon leaves: nothing listens, said at connect, not after waiting
+    for a reply (the timeout is longer than the subprocess's budget)."""
     path = tmp_path / "dead.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
     sock.close()  # the file stays; nothing listens
     assert path.exists()
-    started = time.monotonic()
-    result = status_cli("--socket", str(path), "--timeout", "0.3", timeout=10)
-    elapsed = time.monotonic() - started
+    result = status_cli("--socket", str(path), "--timeout", "600", timeout=30)
     line = one_error_line(result, returncode=1)
-    assert line == f"commd: no daemon answered on {path} within 0.3s"
-    assert elapsed < 0.3 + 4  # the timeout plus the interpreter's start
+    assert line == (f"commd: no daemon listens on {path} (a socket file left by a daemon "
+                    "that stopped); is `commd run` running?")
 
 
 @pytest.fixture
