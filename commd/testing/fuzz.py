@@ -38,16 +38,25 @@ from commd_protocol import (
     Hello,
     Layer,
     PeerAbort,
+    PeerFault,
+    PeerHeartbeat,
     PeerJoin,
     PeerLeave,
     PeerPlan,
     PeerProfile,
+    PeerReform,
+    PeerReformState,
+    PeerResume,
     PeerSetup,
+    PeerStatus,
+    PeerTakeover,
     ProtocolViolation,
     Ready,
     Register,
+    RosterEntry,
     StatusReply,
     StatusRequest,
+    TraceRequest,
     Wait,
     Welcome,
 )
@@ -59,8 +68,9 @@ T = TypeVar("T")
 CODES = {code.value for code in ErrorCode}
 POOL = ("fz0", "fz1", "fz2")  # few job ids, so that the frames of one run meet each other's jobs
 TAGS = sorted({*client_codec._tags, *daemon_codec._tags, *peer_codec._tags})
-FIELDS = sorted({f for struct in (Hello, Register, Ready, Wait, PeerJoin, PeerProfile, PeerPlan,
-                                  PeerSetup)
+FIELDS = sorted({f for struct in (Hello, Register, Ready, Wait, TraceRequest, PeerJoin,
+                                  PeerProfile, PeerPlan, PeerSetup, PeerHeartbeat, PeerFault,
+                                  PeerReformState, PeerTakeover)
                  for f in struct.__struct_fields__})
 RUNNING_LAYERS = 3  # the layers of the one-rank job that "running" frames are aimed at
 
@@ -284,6 +294,11 @@ def _goodbye(d: Draws) -> Goodbye:
     return Goodbye()
 
 
+def _trace(d: Draws) -> TraceRequest:
+    return TraceRequest(job=d.choice(POOL), iterations=d.integer(0, 3),
+                        timeout_s=d.real(0.0, 2.0))
+
+
 def _wrong_way(d: Draws) -> msgspec.Struct:
     """A daemon's message, sent to a daemon."""
     return d.choice([
@@ -299,7 +314,7 @@ def client_message(d: Draws) -> msgspec.Struct:
     """A valid message of any type a rank sends (or a daemon's, the wrong way)."""
     make: Callable[[Draws], msgspec.Struct] = weighted(d, [
         (1, _hello), (1, _register), (2, _ready), (2, _wait), (1, _status), (1, _goodbye),
-        (3, _wrong_way)])
+        (1, _trace), (3, _wrong_way)])
     return make(d)
 
 
@@ -342,11 +357,56 @@ def _plan(d: Draws) -> PeerPlan:
                     predicted_comm_s=d.real(0, 1))
 
 
+def _heartbeat(d: Draws) -> PeerHeartbeat:
+    return PeerHeartbeat(job=d.choice(POOL), iteration=d.integer(-1, 30),
+                         waiting_s=d.real(0, 100), wire_s=d.real(0, 100),
+                         missing=[[d.integer(-1, 3), d.integer(-1, 3)]
+                                  for _ in range(d.integer(0, 2))])
+
+
+def _roster(d: Draws) -> list[RosterEntry]:
+    return [RosterEntry(peer=f"127.0.0.1:{d.integer(1, 65535)}", ranks=[index])
+            for index in range(d.integer(0, 3))]
+
+
+def _fault(d: Draws) -> PeerFault:
+    return PeerFault(job=d.choice(POOL), epoch=d.integer(0, 3), message="commd: x",
+                     closed=d.choice([True, False]),
+                     lost_ranks=d.shuffled(range(3))[:d.integer(0, 2)])
+
+
+def _reform_state(d: Draws) -> PeerReformState:
+    return PeerReformState(job=d.choice(POOL), epoch=d.integer(0, 3),
+                           delivered=d.integer(-1, 30), committing=d.choice([True, False]),
+                           joining=d.choice([True, False]))
+
+
+def _takeover(d: Draws) -> PeerTakeover:
+    join = _join(d)
+    return PeerTakeover(job=join.job, epoch=d.integer(0, 3), delivered=d.integer(-1, 30),
+                        committing=d.choice([True, False]), join=join, roster=_roster(d),
+                        lost=f"127.0.0.1:{d.integer(1, 65535)}", plan=d.integer(0, 3),
+                        plans=[_plan(d) for _ in range(d.integer(0, 2))],
+                        crash=d.choice([True, False]))
+
+
+def _coordinators_own(d: Draws) -> msgspec.Struct:
+    """A coordinator's message to its nodes, sent to a coordinator's peer port."""
+    return d.choice([
+        PeerStatus(job=d.choice(POOL)),
+        PeerReform(job=d.choice(POOL), epoch=d.integer(0, 3), change="x"),
+        PeerResume(job=d.choice(POOL), epoch=d.integer(0, 3), node_index=0, nodes=1,
+                   store_port=0, store_prefix="x", members=[0], iteration=0),
+    ])
+
+
 def peer_message(d: Draws) -> msgspec.Struct:
-    """A valid message of any type a daemon sends a peer (or a rank's, on the peer port)."""
+    """A valid message of any type a daemon sends a peer (or a rank's, or a coordinator's
+    to its nodes, on the peer port): joins, reports, membership changes, takeovers."""
     make: Callable[[Draws], msgspec.Struct] = weighted(d, [
         (2, _join), (2, _profile), (1, _leave), (1, _abort), (1, _setup), (1, _plan),
-        (1, client_message)])
+        (1, _heartbeat), (1, _fault), (1, _reform_state), (1, _takeover),
+        (1, _coordinators_own), (1, client_message)])
     return make(d)
 
 
