@@ -6,7 +6,6 @@ forming), run as tasks that the daemon's cleanup cancels."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Mapping
@@ -70,9 +69,8 @@ class JobMessages:
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        with contextlib.suppress(asyncio.CancelledError):
-            if task.exception() is not None:
-                log.error("task failed: %r", task.exception())
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task failed: %r", task.exception())
 
     async def close(self) -> None:
         """Cancel the set-ups and resumes under way, and wait for them to end."""

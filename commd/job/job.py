@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from commd.engines import Engine, EngineError
+from commd.engines import Engine
 from commd.engines.buffer_ops import BufferOps
 from commd.job import buffers, replies, setup, validation
 from commd.job.lifecycle import Lifecycle
@@ -233,8 +233,8 @@ class Job:
         if self.members.first_registration().profile:
             try:
                 samples = await setup.probe_network(self.engine, self.ops)
-            except EngineError as exc:
-                self.fail(ErrorCode.ENGINE, f"network probe failed: {exc}")
+            except setup.SetupError as exc:
+                self.fail(ErrorCode.ENGINE, str(exc))
                 return
             if not self.starting:
                 return

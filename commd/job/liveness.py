@@ -37,12 +37,22 @@ def on_coordinator_closed(job: Job, now: float, heartbeat_timeout_s: float) -> N
     longer silence the close says nothing new: the peer timeout decides."""
     if not job.state.active or now - job.liveness.heard_at >= heartbeat_timeout_s:
         return
-    address = job.coordinator
-    if address == job.ctx.peer_address(job.coordinator_host):
-        return  # coordinated by this very daemon: its own link is not the coordinator's life
-    problem = (f"the coordinator daemon at {address} closed its connection: its process "
-               "ended (or restarted)")
-    if job.epochs_enabled and job.membership.take_over(problem, crash=True):
+    if _coordinated_here(job):
+        return  # its own link is not the coordinator's life
+    _coordinator_lost(job, f"the coordinator daemon at {job.coordinator} closed its "
+                           "connection: its process ended (or restarted)", crash=True)
+
+
+def _coordinated_here(job: Job) -> bool:
+    """Whether this very daemon coordinates the job: if that is stalled or gone, so is the
+    check."""
+    return job.coordinator == job.ctx.peer_address(job.coordinator_host)
+
+
+def _coordinator_lost(job: Job, problem: str, *, crash: bool) -> None:
+    """A tolerant job asks the next node of its roster to coordinate; any other job, or one
+    with no node left to ask, fails naming ``problem``."""
+    if job.epochs_enabled and job.membership.take_over(problem, crash=crash):
         return
     job.fail(ErrorCode.RANK_LOST, problem)
 
@@ -58,10 +68,8 @@ def tick(job: Job, now: float, link: str) -> None:
     live = job.liveness
     if job.state.active:
         problem = _coordinator_problem(job, now, link)
-        if problem and job.epochs_enabled and job.membership.take_over(problem):
-            return  # a tolerant job asks the next node of its roster to coordinate
         if problem:
-            job.fail(ErrorCode.RANK_LOST, problem)
+            _coordinator_lost(job, problem, crash=False)
             return
         if now - live.beat_at >= BEAT_S:
             live.beat_at = now
@@ -84,8 +92,8 @@ def _coordinator_problem(job: Job, now: float, link: str) -> str:
                     "cluster keys differ (or only one of the daemons has one)")
         return (f"no commd daemon answers at {address} (peer port of the coordinator daemon): "
                 "check COMMD_COORDINATOR / MASTER_ADDR and that its daemon runs")
-    if address == job.ctx.peer_address(job.coordinator_host):
-        return ""  # coordinated by this very daemon: if that is stalled, so is this check
+    if _coordinated_here(job):
+        return ""
     silent = now - max(live.heard_at, live.joined_at)
     if silent > job.ctx.peer_timeout_s:
         return (f"the coordinator daemon at {address} has sent nothing for {silent:.0f}s: it "

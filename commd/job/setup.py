@@ -173,16 +173,18 @@ async def probe_network(engine: Engine | None, ops: BufferOps) -> list[list[floa
     """All-reduce scratch buffers over a range of sizes: samples for the first fit of a, b.
 
     Costs PROBE_REPEATS × 5.3 MB on the wire: ~40 ms on loopback, ~0.1 s on 1 Gbit/s.
-    Runs before the first iteration, in the same order on every node.
+    Runs before the first iteration, in the same order on every node. Raises SetupError.
     """
     if engine is None:
         return []
     samples: list[list[float]] = []
-    for repeat in range(PROBE_REPEATS):
-        for index, elements in enumerate(PROBE_ELEMENTS):
-            scratch = ops.zeros(elements, "float32")
-            begin = time.perf_counter()
-            await engine.allreduce(scratch, "float32")
-            if repeat > 0:  # the first round is the warm-up
-                samples.append([-repeat, index, scratch.nbytes, time.perf_counter() - begin])
+    with _step("network probe", EngineError):
+        for repeat in range(PROBE_REPEATS):
+            for index, elements in enumerate(PROBE_ELEMENTS):
+                scratch = ops.zeros(elements, "float32")
+                begin = time.perf_counter()
+                await engine.allreduce(scratch, "float32")
+                if repeat > 0:  # the first round is the warm-up
+                    samples.append([-repeat, index, scratch.nbytes,
+                                    time.perf_counter() - begin])
     return samples
