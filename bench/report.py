@@ -71,8 +71,13 @@ def time_to_loss(data: dict[str, Any]) -> str:
         summary = bench.summarise(bench.outcomes_from_json(block["runs"]))
         failed = [textwrap.fill(line, width=95, subsequent_indent="  ", break_on_hyphens=False,
                                 break_long_words=False) for line in bench.failures(summary)]
+        split = bench.parts_table(summary)
         parts += [para(f"**{RATES.get(rate, rate)}** ({bench.headline(summary)}):"), "",
-                  bench.table(summary), "", *([*failed, ""] if failed else [])]
+                  bench.table(summary), "",
+                  *([para("Where a step goes (medians, ms; on 2 shared cores the ranks' and "
+                          "the daemons' CPU together bound the step from below):"), "",
+                     split, ""] if split else []),
+                  *([*failed, ""] if failed else [])]
     return "\n".join(parts) + "\n" + provenance("time-to-loss", data)
 
 

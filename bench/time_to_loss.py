@@ -106,7 +106,9 @@ HOOKS = {"fp16": "fp16 hook", "powersgd": "PowerSGD hook"}  # torch comm hooks: 
 _JOBS = itertools.count()
 # Where a step's time goes, medians per rank: both DDPs wait for the all-reduced gradients at
 # the end of backward (an autograd callback), so the exposed communication is backward's.
-STEP_PARTS = ("forward", "backward", "optimizer")
+# "cpu" is the rank process's CPU time in the step (every thread): beside the wall parts it
+# shows what a rank computes against what it waits or is kept off the cores.
+STEP_PARTS = ("forward", "backward", "optimizer", "cpu")
 
 
 @dataclass(frozen=True)
@@ -302,14 +304,14 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer, lambda step: min(1.0, (step + 1) / spec["warmup"]))
     evaluate_at = set(spec["eval_steps"])
     clock, curve, step_ms, train_loss = 0.0, [], [], []
-    parts: list[tuple[float, float, float]] = []  # forward, backward, the optimizer's step
+    parts: list[tuple[float, float, float, float]] = []  # STEP_PARTS
     for step in range(spec["steps"] + 1):
         if step in evaluate_at:  # every rank evaluates, so neither waits for the other
             curve.append([step, round(clock, 4), text_lm.evaluate(model, windows)])
         if step == spec["steps"]:
             break
         inputs, targets = batches.next()  # outside the clock, as a data loader's prefetch
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         loss = text_lm.loss(wrapped(inputs), targets)
         forward = time.perf_counter()
@@ -318,7 +320,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         lr_schedule.step()
         took = time.perf_counter() - start
-        parts.append((forward - start, backward - forward, start + took - backward))
+        parts.append((forward - start, backward - forward, start + took - backward,
+                      time.process_time() - cpu_start))
         clock += took
         step_ms.append(round(1e3 * took, 2))
         train_loss.append(round(float(loss.detach()), 4))
@@ -353,6 +356,14 @@ class Outcome:
         curves = [r["curve"] for r in self.repeats]
         return [(points[0][0], statistics.fmean(p[1] for p in points),
                  statistics.fmean(p[2] for p in points)) for points in zip(*curves, strict=True)]
+
+    def step_parts_ms(self) -> dict[str, float]:
+        """Each part of the step (``STEP_PARTS``, and the daemons' CPU where commd ran), the
+        median over the repeats that measured it (runs before a part existed lack it)."""
+        names = dict.fromkeys(name for r in self.repeats for name in r.get("step_parts_ms", {}))
+        return {name: statistics.median(r["step_parts_ms"][name] for r in self.repeats
+                                        if name in r.get("step_parts_ms", {}))
+                for name in names}
 
     def agree(self) -> bool | None:
         """Whether every repeat's ranks ended equal (None: ranks that train apart)."""
@@ -401,11 +412,37 @@ def run_job(config: Config, nodes: Sequence[ddp_compare.Node], args: argparse.Na
             process.kill()
             process.wait()
         raise
+    daemon_cpu = daemons_cpu_s(used) if config.impl == "commd" else None
     results = ddp_compare.rank_results(processes, used, args.timeout, config.label)
+    if daemon_cpu is not None:
+        # The daemons' CPU over the whole job (set-up and evaluations too, where they idle)
+        # per step and node: what the daemons take from the ranks' shared cores.
+        spent = daemons_cpu_s(used) - daemon_cpu
+        results[0]["step_parts_ms"]["daemon_cpu"] = round(1e3 * spent / steps / len(used), 2)
     # two processes without DDP train apart: nothing to agree on
     agree = (None if config.impl in NO_DDP
              else len({round(r["checksum"], 6) for r in results}) == 1)
     return {**results[0], "agree": agree}
+
+
+def daemons_cpu_s(nodes: Sequence[ddp_compare.Node]) -> float:
+    """CPU seconds (user and system, every thread) the nodes' daemon processes have used so
+    far: every process whose command line names a node's socket and is a daemon, found in
+    /proc (namespaced nodes share this PID namespace)."""
+    sockets = [node.socket.encode() for node in nodes]
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended while we looked
+            continue
+        if b"commd.cli" in command and b"run" in command and any(s in command for s in sockets):
+            fields = stat[stat.rindex(")") + 2:].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -493,6 +530,7 @@ def summarise(outcomes: Mapping[Config, Outcome]) -> dict[str, Any]:
             "time_to_target_s": reach,
             "time_x_best": reach / best_time if reach is not None and best_time else None,
             "steps_to_target": steps,
+            "step_parts_ms": outcome.step_parts_ms(),
             "agree": outcome.agree(), "repeats": len(outcome.repeats),
             "ran": sorted({r["ran"] for r in outcome.repeats} - {""}),
             "errors": sorted({reason(error) for error in outcome.errors}),
@@ -553,6 +591,26 @@ def table(summary: Mapping[str, Any]) -> str:
     return markdown_table(header, rows, "lrrrrrrr")
 
 
+PART_WORDS = {"forward": "forward", "backward": "backward (and the wait for the sums)",
+              "optimizer": "optimizer", "cpu": "rank's CPU",
+              "daemon_cpu": "daemon's CPU per node"}
+
+
+def parts_table(summary: Mapping[str, Any]) -> str:
+    """Where a step goes, per configuration (medians, ms): the rank's wall-clock parts, the
+    rank process's CPU in them, and each daemon's CPU per step; on 2 shared cores the ranks'
+    and the daemons' CPU together bound the step from below. '' where no run measured it."""
+    measured = {label: row.get("step_parts_ms") or {}
+                for label, row in summary["configs"].items()}
+    names = [name for name in PART_WORDS if any(name in parts for parts in measured.values())]
+    if not names:
+        return ""
+    rows = [[label, *("-" if name not in parts else f"{parts[name]:.0f}" for name in names)]
+            for label, parts in measured.items() if parts]
+    return markdown_table(["configuration", *(f"{PART_WORDS[name]} ms" for name in names)],
+                          rows, "l" + "r" * len(names))
+
+
 def failures(summary: Mapping[str, Any]) -> list[str]:
     """One Markdown line per configuration that failed a repeat, with why."""
     return [f"- {label} failed: {'; '.join(row['errors'])}"
@@ -562,7 +620,9 @@ def failures(summary: Mapping[str, Any]) -> list[str]:
 def report(summary: Mapping[str, Any]) -> str:
     """One rate's results: the table, what failed, each under the target."""
     failed = failures(summary)
+    parts = parts_table(summary)
     return "\n".join([f"({headline(summary)})", "", table(summary),
+                      *(["", "Where a step goes:", "", parts] if parts else []),
                       *(["", *failed] if failed else [])])
 
 
