@@ -107,24 +107,29 @@ def load_state(name: str, obj: Stateful, payload: Mapping[str, Any]) -> None:
         obj.load_state_dict(states[name])
 
 
-def _pair(endpoint: Endpoint, epoch: int, joiner: int, role: int, local: bool) -> Endpoint:
+def _pair(endpoint: Endpoint, epoch: int, joiner: int, role: int, local: bool,
+          coordinator: str) -> Endpoint:
     """The endpoint of one transfer job: the source is its rank 0, the joiner its rank 1.
     ``local``: both are on one node (a replacement for a rank of a node whose other ranks
-    live), so the job is one node's two local ranks; else one rank on each of two nodes."""
+    live), so the job is one node's two local ranks; else one rank on each of two nodes.
+    ``coordinator``: the job's coordinator now, as the daemon says ("": the rank's own), so
+    that both sides form at the same one after a takeover, whatever their launch named."""
     return dataclasses.replace(endpoint, job=f"{endpoint.job}.state{epoch}.{joiner}", rank=role,
                                world_size=2, local_rank=role if local else 0,
                                local_world_size=2 if local else 1,
-                               fault_tolerance="fail", min_world_size=1)
+                               fault_tolerance="fail", min_world_size=1,
+                               coordinator=coordinator or endpoint.coordinator)
 
 
-def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes, *, local: bool) -> None:
+def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes, *, local: bool,
+         coordinator: str = "") -> None:
     """The source's side: ``blob`` to rank ``joiner`` (``local``: on this node)."""
-    _exchange(_pair(endpoint, epoch, joiner, 0, local), blob)
+    _exchange(_pair(endpoint, epoch, joiner, 0, local, coordinator), blob)
 
 
-def receive(endpoint: Endpoint, epoch: int, *, local: bool) -> bytes:
+def receive(endpoint: Endpoint, epoch: int, *, local: bool, coordinator: str = "") -> bytes:
     """The joiner's side: the source's bytes (``local``: the source is on this node)."""
-    return _exchange(_pair(endpoint, epoch, endpoint.rank, 1, local), None)
+    return _exchange(_pair(endpoint, epoch, endpoint.rank, 1, local, coordinator), None)
 
 
 def _exchange(pair: Endpoint, blob: bytes | None) -> bytes:

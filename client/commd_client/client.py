@@ -89,6 +89,9 @@ class Client:
         self.joined = False  # this rank joined a running job (fault_tolerance="continue")
         self.state_source = -1  # then: the rank that gives it the training state
         self.state_source_local = False  # ... from this node
+        # ... through jobs formed at the job's coordinator now (it may have been taken over
+        # since this rank's launch-time address was lost); "" when that address still is
+        self.state_coordinator = ""
         # fault_tolerance="continue": called inside wait() when ranks join the running job
         self.on_joining: Callable[[Joining], None] | None = None
         self.plan_version = 0  # the merge plan the last iteration ran with
@@ -242,6 +245,7 @@ class Client:
         self.iteration = self.joined_at = reply.iteration
         self.joined, self.state_source = reply.epoch > 0, reply.source
         self.state_source_local = reply.source_local
+        self.state_coordinator = reply.coordinator
         self.membership.joined(reply)
         self._batch = ReadyBatcher(len(self._sizes))
         self._batch.announce(reply.plan, reply.groups)

@@ -42,6 +42,7 @@ from commd_protocol import (
     PeerReformState,
     PeerSetup,
     PeerStatus,
+    PeerSuccession,
     PeerTakeover,
 )
 from commd_protocol.agreement import describe_difference
@@ -128,6 +129,8 @@ class Coordinator:
             self._tolerance.on_fault(node, message)
         elif isinstance(message, PeerTakeover):
             self._tolerance.on_takeover(node, message)
+        elif isinstance(message, PeerSuccession):
+            self._tolerance.on_succession(node, message)
         elif isinstance(message, PeerHeartbeat):
             formation = self._jobs.get(message.job)
             if formation is not None and node in formation.joins:
@@ -142,6 +145,8 @@ class Coordinator:
         problem, code = join_problem(join, self._limits)
         if problem:
             self.refuse(node, join.job, problem, code)
+            return
+        if self._tolerance.redirected(node, join):
             return
         formation = self._jobs.get(join.job)
         if formation is not None and formation.formed and formation.membership is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -32,20 +33,23 @@ from commd_protocol import (
     PeerFault,
     PeerJoin,
     PeerPlan,
+    PeerRedirect,
     PeerReform,
     PeerReformState,
     PeerResume,
+    PeerSuccession,
     PeerTakeover,
     RosterEntry,
 )
 from commd_protocol.agreement import describe_difference
-from commd_protocol.checks import roster_problem
+from commd_protocol.checks import address_problem, job_id_problem, roster_problem
 from commd_protocol.limits import count_problem
 from commd_protocol.peer import DECISION_LAG, REPORT_EVERY
 
 log = logging.getLogger("commd.coordinator")
 
 MAX_PLANS_HANDED_OVER = 3  # a node keeps its latest three decisions (``Job.plans_kept``)
+MAX_REDIRECTS = 256  # jobs taken over elsewhere from this address that joins are sent on to
 
 
 class CoordinatorSide(Protocol):
@@ -82,6 +86,9 @@ class Tolerance:
         self._store_port = store_port
         self._send = send
         self._coordinator = coordinator
+        # job -> its coordinator now, for jobs taken over elsewhere from the daemon that had
+        # this address before this one (``PeerSuccession``), oldest first
+        self._redirects: OrderedDict[str, str] = OrderedDict()
 
     def lose(self, formation: Formation, nodes: list[bytes], why: str, *,
               certain: bool = True) -> None:
@@ -210,6 +217,41 @@ class Tolerance:
         formation.rejoining.update(added)
         formation.watch.heard(node, time.monotonic())
         self._reform(formation, f"rank(s) {added[:20]} on node {node_name(current)} joined")
+
+    def on_succession(self, node: bytes, message: PeerSuccession) -> None:
+        """A node of a job that was taken over from the daemon at this address before us (this
+        one started there since) says where the job runs now: joins of it that come here,
+        from ranks started with the old command, are sent there (``redirected``), those
+        waiting here now at once. A job formed here is this coordinator's own: untouched."""
+        problem = (job_id_problem(message.job)
+                   or address_problem("its coordinator", message.coordinator)
+                   or address_problem("the lost address", message.lost))
+        formation = self._jobs.get(message.job)
+        if not problem and formation is not None and formation.formed:
+            problem = "that job runs here"
+        if problem:
+            log.warning("ignoring a succession for job %r: %s", message.job[:200], problem)
+            return
+        self._redirects.pop(message.job, None)
+        self._redirects[message.job] = message.coordinator
+        while len(self._redirects) > MAX_REDIRECTS:
+            self._redirects.popitem(last=False)
+        log.warning("job %s was taken over at %s from the daemon that listened here before; "
+                    "its joins here go there", message.job, message.coordinator)
+        if formation is not None:  # forming here, from nodes started with the old command
+            del self._jobs[message.job]
+            for member in formation.joins:
+                self._send(member, PeerRedirect(job=message.job,
+                                                coordinator=message.coordinator))
+
+    def redirected(self, node: bytes, join: PeerJoin) -> bool:
+        """Whether ``join`` is for a job taken over elsewhere from this address: then the node
+        is told where (and nothing forms here)."""
+        coordinator = self._redirects.get(join.job)
+        if coordinator is None or join.job in self._jobs:
+            return False
+        self._send(node, PeerRedirect(job=join.job, coordinator=coordinator))
+        return True
 
     def on_takeover(self, node: bytes, message: PeerTakeover) -> None:
         """A node of a tolerant job whose coordinator went silent asks this daemon, the

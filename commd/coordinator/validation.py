@@ -39,7 +39,7 @@ MAX_COMM_SECONDS = 1e6  # a collective timed at over 11 days is no measurement
 # coordinator's own peer port they mean nothing, so they are refused from their tag alone,
 # before the body is decoded (a plan's million one-layer groups would cost the loop that).
 NOT_FOR_A_COORDINATOR = frozenset({"peer_setup", "peer_plan", "peer_status", "peer_reform",
-                                   "peer_resume"})
+                                   "peer_resume", "peer_redirect"})
 
 
 

@@ -12,6 +12,7 @@ from commd.daemon.sockets import route_source
 from commd.engines import engine_for_buffers
 from commd.job.job import Job
 from commd.job.state import JobContext, SendClient, SendPeer
+from commd.job.successions import Successions
 from commd.plan import get_planner
 from commd_protocol import Hello
 
@@ -30,6 +31,7 @@ class JobFactory:
         self._executor = executor
         self._send_client = send_client
         self._send_peer = send_peer
+        self.successions = Successions()  # one for the daemon: it outlives every job
 
     def __call__(self, hello: Hello) -> Job:
         settings = self.settings
@@ -49,6 +51,7 @@ class JobFactory:
             observe=self.observe,
             on_membership_change=self.on_membership_change,
             peer_address=self.peer_address,
+            successions=self.successions,
         ))
 
     def engine_for(self, kind: str) -> str:

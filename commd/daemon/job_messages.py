@@ -8,20 +8,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
+
+import msgspec
 
 from commd.daemon.peer_links import HEARTBEAT_TIMEOUT_S
 from commd.job import liveness
 from commd.job.job import Job
+from commd.job.successions import Successions
 from commd_protocol import (
     PeerAbort,
     PeerMessage,
     PeerPlan,
+    PeerRedirect,
     PeerReform,
     PeerResume,
     PeerSetup,
     PeerStatus,
+    PeerSuccession,
 )
 
 __all__ = ["JobMessages"]
@@ -32,8 +37,11 @@ log = logging.getLogger("commd.server")
 class JobMessages:
     """Routes a coordinator's message to its job on this node."""
 
-    def __init__(self, jobs: Mapping[str, Job]) -> None:
+    def __init__(self, jobs: Mapping[str, Job], successions: Successions,
+                 send: Callable[[str, msgspec.Struct], None]) -> None:
         self._jobs = jobs
+        self._successions = successions
+        self._send = send  # to a coordinator address, on this daemon's link there
         self._tasks: set[asyncio.Task[None]] = set()
 
     def deliver(self, address: str, message: PeerMessage) -> None:
@@ -54,6 +62,8 @@ class JobMessages:
             liveness.on_status(job, message, time.monotonic())
         elif isinstance(message, PeerAbort):
             job.on_abort(message)
+        elif isinstance(message, PeerRedirect):
+            job.on_redirect(message)
 
     def coordinator_closed(self, address: str) -> None:
         """The link to the coordinator at ``address`` closed: every job it coordinates here
@@ -61,6 +71,15 @@ class JobMessages:
         now = time.monotonic()
         for job in [job for job in self._jobs.values() if job.coordinator == address]:
             liveness.on_coordinator_closed(job, now, HEARTBEAT_TIMEOUT_S)
+
+    def coordinator_up(self, address: str) -> None:
+        """The link to ``address`` is up (again): where a job of ours lost its coordinator
+        there, a daemon answers there now, a fresh one, which may get joins of that job from
+        ranks started with the old command; it is told who coordinates the job since."""
+        for job, successor in self._successions.lost_at(address):
+            log.info("job %s: a daemon answers again at %s, where its coordinator was lost; "
+                     "telling it the job runs at %s", job, address, successor)
+            self._send(address, PeerSuccession(job=job, lost=address, coordinator=successor))
 
     def _run(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -34,13 +34,16 @@ class PeerLinks:
     def __init__(
         self, context: zmq.asyncio.Context, on_message: Callable[[str, PeerMessage], None],
         on_closed: Callable[[str], None] = lambda address: None,
+        on_up: Callable[[str], None] = lambda address: None,
     ) -> None:
         """``on_closed(address)``: an established link to ``address`` closed (its daemon's
         process ended, or it dropped a silent link: the caller tells them apart by how long
-        the coordinator had been silent)."""
+        the coordinator had been silent). ``on_up(address)``: a handshake there succeeded,
+        the first or one after a close (a daemon answers there again)."""
         self._context = context
         self._on_message = on_message
         self._on_closed = on_closed
+        self._on_up = on_up
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._states: dict[str, str] = {}  # "connecting", "up" or "refused", from the monitor
@@ -95,6 +98,7 @@ class PeerLinks:
                                         self._on_closed, address)
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._states[address] = "up"
+                    self.guard.call(f"the link to {address} coming up", self._on_up, address)
                 elif event in _REFUSED:
                     self._states[address] = "refused"
                     log.warning("the coordinator at %s refused this daemon's handshake", address)

@@ -74,7 +74,8 @@ class Daemon:
         self._clients = ClientSide(self._client_guard)
         self._links = PeerLinks(
             self._context, lambda address, message: self._job_messages.deliver(address, message),
-            lambda address: self._job_messages.coordinator_closed(address))
+            lambda address: self._job_messages.coordinator_closed(address),
+            lambda address: self._job_messages.coordinator_up(address))
         self._rendezvous = Rendezvous(settings)
         self._peers = PeerSide(self._peer_guard, lambda send: Coordinator(
             send, self._rendezvous.port, Deadlines(
@@ -93,7 +94,7 @@ class Daemon:
                                         self._welcome, self.status, self._buffers,
                                         self._client_guard)
         self.jobs: Mapping[str, Job] = self._sessions.jobs  # read-only: the sessions own it
-        self._job_messages = JobMessages(self.jobs)
+        self._job_messages = JobMessages(self.jobs, self._new_job.successions, self._links.send)
         self._report = StatusReport(
             settings, self._identity, self.jobs, self._sessions, self._buffers, self._security,
             self._coordinator, self._links,

@@ -35,6 +35,7 @@ from commd_protocol import (
     PeerJoin,
     PeerLeave,
     PeerPlan,
+    PeerRedirect,
     PeerReform,
     PeerResume,
     PeerSetup,
@@ -73,9 +74,12 @@ class Job:
         self.started = time.monotonic()  # the first hello: forming has a deadline (deadlines)
         self.liveness = Liveness()  # the coordinator's messages, the job-wide stall
         self.failed_at = 0.0
-        # who coordinates, and under fault_tolerance="continue" the epochs and their changes
-        self.membership = Membership(self.id, self.world_size, hello.coordinator, context,
-                                     self.members, self)
+        # who coordinates (where the job was taken over from the address the ranks name, its
+        # successor: a rank restarted with its launch-time environment), and under
+        # fault_tolerance="continue" the epochs and their changes
+        self.membership = Membership(self.id, self.world_size,
+                                     context.successions.resolve(self.id, hello.coordinator),
+                                     context, self.members, self)
         self._done_epoch = 0  # the epoch the last finished iteration ran in
         self._closed = False
 
@@ -90,7 +94,8 @@ class Job:
 
     @property
     def coordinator(self) -> str:
-        """The coordinator's peer address: the launch-time one until a takeover."""
+        """The coordinator's peer address: the launch-time one until a takeover (or its
+        successor's, for a job taken over before its ranks here started)."""
         return self.membership.coordinator
 
     @property
@@ -195,6 +200,7 @@ class Job:
         reply.members, reply.source = self.epochs.members, message.source
         reply.source_local = any(m.rank == message.source and not m.left and not m.rejoining
                                  for m in self.members.ranks.values())
+        reply.coordinator = self.coordinator
         member.told_plan, member.told_epoch = self.last_plan.version, self.epochs.epoch
         self.ctx.send_client(member.identity, reply)
 
@@ -299,7 +305,7 @@ class Job:
         if self.epochs.epoch:  # joined a running job: where it stands, and its members
             reply.iteration, reply.epoch = self.pipeline.iteration, self.epochs.epoch
             reply.members = self.epochs.members
-            reply.source = self.epochs.source
+            reply.source, reply.coordinator = self.epochs.source, self.coordinator
         for member in self.members.ranks.values():
             member.told_plan, member.told_epoch = decision.version, self.epochs.epoch
             self.ctx.send_client(member.identity, reply)
@@ -410,6 +416,13 @@ class Job:
 
     def trace(self, recorder: TraceRecorder) -> None:  # a TraceRequest; JobError unless running
         recorder.arm(self._running("trace"), self.members.first_registration(), self.setup)
+
+    def on_redirect(self, message: PeerRedirect) -> None:
+        """The coordinator this node asked started after the job was taken over elsewhere,
+        and says where: while still joining, ask there (see ``commd.job.successions``)."""
+        if self.state is JobState.JOINING and self.membership.redirect(message.coordinator):
+            self.liveness.joined_at = time.monotonic()
+            self.ctx.send_peer(self.coordinator, self.join_request())
 
     # --- failure and departure -------------------------------------------------------------------
 

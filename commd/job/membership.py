@@ -38,7 +38,7 @@ from commd_protocol import (
     PeerTakeover,
 )
 from commd_protocol.address import split_host_port
-from commd_protocol.checks import roster_problem
+from commd_protocol.checks import address_problem, roster_problem
 from commd_protocol.status import JobState
 
 log = logging.getLogger("commd.jobs")
@@ -306,7 +306,7 @@ class Membership:
             # gives them the training state.
             notice = Joining(epoch=message.epoch, ranks=joined, iteration=message.iteration,
                              source=min(before & set(message.members)),
-                             local=sorted(local_joiners or []))
+                             local=sorted(local_joiners or []), coordinator=self.coordinator)
             for member in self._members.ranks.values():
                 if not member.left and not member.rejoining:
                     self._ctx.send_client(member.identity, notice)
@@ -346,6 +346,22 @@ class Membership:
 
     # --- the coordinator lost --------------------------------------------------------------------
 
+    def redirect(self, coordinator: str) -> bool:
+        """The daemon this node asked to join at started after the job was taken over there
+        (a fresh daemon where the lost coordinator ran) and names the successor: this node
+        asks there from now on. False, and nothing changes, for an address that is not one or
+        is ours already."""
+        problem = address_problem("a redirect's coordinator", coordinator)
+        if problem or coordinator == self.coordinator:
+            log.warning("job %s: ignoring a redirect from %s: %s", self.id, self.coordinator,
+                        problem or "it names itself")
+            return False
+        lost, self.coordinator = self.coordinator, coordinator
+        self._ctx.successions.record(self.id, lost, coordinator)
+        log.warning("job %s: the daemon at %s started after the job was taken over; joining "
+                    "the job where it runs now, at %s", self.id, lost, coordinator)
+        return True
+
     def take_over(self, problem: str, *, crash: bool = False) -> bool:
         """The coordinator is lost: stop, and ask the roster's next node to coordinate (the
         node holding the lowest rank, past those given up on); False when there is none.
@@ -363,6 +379,7 @@ class Membership:
         delivered, committing = self._stand(pipeline)
         pipeline.forget_expected_decisions()
         lost, self.coordinator = self.coordinator, successor
+        self._ctx.successions.record(self.id, lost, successor)
         epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]
         epochs.taking_over = True
         epochs.crash_seen = epochs.crash_seen or crash

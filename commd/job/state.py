@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from commd.job.segments import SharedSegment
+from commd.job.successions import Successions
 from commd_protocol import ErrorCode, Register, RosterEntry
 from commd_protocol.errors import prefixed
 from commd_protocol.status import JobState
@@ -78,6 +79,8 @@ class JobContext:
     on_membership_change: Callable[[str, str], None] | None = None
     # coordinator host -> "host:port" of this daemon's peer endpoint as that host reaches it
     peer_address: Callable[[str], str] = lambda host: ""
+    # the daemon's one record of which node took over each job's lost coordinator
+    successions: Successions = field(default_factory=Successions)
 
 
 @dataclass

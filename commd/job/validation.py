@@ -17,8 +17,8 @@ from commd.job import buffers
 from commd.job.state import JobContext, JobError
 from commd.plan import validate_plan
 from commd_protocol import PROTOCOL_VERSION, ErrorCode, Hello, PeerPlan, PeerSetup, Register
-from commd_protocol.address import split_host_port
 from commd_protocol.checks import (
+    address_problem,
     finite,
     job_id_problem,
     layers_problem,
@@ -40,7 +40,6 @@ from commd_protocol.limits import (
 
 SELECTIONS = ("", "forced", "exploring", "measuring", "measured")  # PeerPlan.selection
 MAX_CANDIDATES = 8
-MAX_ADDRESS_CHARS = 300  # HOST:PORT: a DNS name (255), brackets, a colon and a port
 MAX_PLAN_TEXT = 4096  # a plan's reason and search state: kept for status, shown on every call
 
 
@@ -66,12 +65,9 @@ def check_hello(hello: Hello) -> None:
             f"local rank {hello.local_rank} / local world size {hello.local_world_size} "
             f"do not fit world size {hello.world_size}"
         )
-    if len(hello.coordinator) > MAX_ADDRESS_CHARS:  # before parsing it, or echoing it back
-        raise JobError(f"coordinator must be HOST:PORT, got {len(hello.coordinator)} characters")
-    try:
-        split_host_port(hello.coordinator)
-    except ValueError:
-        raise JobError(f"coordinator must be HOST:PORT, got {hello.coordinator!r}") from None
+    problem = address_problem("coordinator", hello.coordinator)
+    if problem:
+        raise JobError(problem)
 
 
 def check_register(message: Register, context: JobContext, *, several_nodes: bool,

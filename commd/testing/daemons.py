@@ -26,9 +26,11 @@ class LocalDaemon:
 
     def __init__(self, workdir: Path | str, name: str, *extra: str,
                  env: dict[str, str] | None = None, listen_host: str = "127.0.0.1",
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), port: int = 0) -> None:
         """``prefix`` wraps the command, e.g. ``ip netns exec NS`` for a network namespace
-        (the notify socket is a file, so readiness still reaches us). Every daemon of a
+        (the notify socket is a file, so readiness still reaches us). ``port``: the peer
+        port (0: any free one), e.g. a dead daemon's, for one started again in its place.
+        Every daemon of a
         workdir shares its key, ``workdir_key``: on loopback as its local key (its socket is
         in the workdir), beyond loopback as its --cluster-key, unless ``extra`` names
         ``--cluster-key`` or ``--insecure``."""
@@ -47,7 +49,7 @@ class LocalDaemon:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [*prefix, sys.executable, "-m", "commd.cli", "run", "--socket", self.socket,
-             "--listen", f"{listen_host}:0", *extra],
+             "--listen", f"{listen_host}:{port}", *extra],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self.host = listen_host

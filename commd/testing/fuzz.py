@@ -44,11 +44,13 @@ from commd_protocol import (
     PeerLeave,
     PeerPlan,
     PeerProfile,
+    PeerRedirect,
     PeerReform,
     PeerReformState,
     PeerResume,
     PeerSetup,
     PeerStatus,
+    PeerSuccession,
     PeerTakeover,
     ProtocolViolation,
     Ready,
@@ -70,7 +72,7 @@ POOL = ("fz0", "fz1", "fz2")  # few job ids, so that the frames of one run meet 
 TAGS = sorted({*client_codec._tags, *daemon_codec._tags, *peer_codec._tags})
 FIELDS = sorted({f for struct in (Hello, Register, Ready, Wait, TraceRequest, PeerJoin,
                                   PeerProfile, PeerPlan, PeerSetup, PeerHeartbeat, PeerFault,
-                                  PeerReformState, PeerTakeover)
+                                  PeerReformState, PeerTakeover, PeerSuccession)
                  for f in struct.__struct_fields__})
 RUNNING_LAYERS = 3  # the layers of the one-rank job that "running" frames are aimed at
 
@@ -390,10 +392,18 @@ def _takeover(d: Draws) -> PeerTakeover:
                         crash=d.choice([True, False]))
 
 
+def _succession(d: Draws) -> PeerSuccession:
+    """A node's word that a job was taken over elsewhere from this address (valid or not)."""
+    return PeerSuccession(job=d.choice(POOL), lost=f"127.0.0.1:{d.integer(0, 65535)}",
+                          coordinator=d.choice([f"127.0.0.1:{d.integer(0, 70000)}", "nowhere",
+                                                "[::1]:1", ""]))
+
+
 def _coordinators_own(d: Draws) -> msgspec.Struct:
     """A coordinator's message to its nodes, sent to a coordinator's peer port."""
     return d.choice([
         PeerStatus(job=d.choice(POOL)),
+        PeerRedirect(job=d.choice(POOL), coordinator=f"127.0.0.1:{d.integer(1, 65535)}"),
         PeerReform(job=d.choice(POOL), epoch=d.integer(0, 3), change="x"),
         PeerResume(job=d.choice(POOL), epoch=d.integer(0, 3), node_index=0, nodes=1,
                    store_port=0, store_prefix="x", members=[0], iteration=0),
@@ -405,7 +415,7 @@ def peer_message(d: Draws) -> msgspec.Struct:
     to its nodes, on the peer port): joins, reports, membership changes, takeovers."""
     make: Callable[[Draws], msgspec.Struct] = weighted(d, [
         (2, _join), (2, _profile), (1, _leave), (1, _abort), (1, _setup), (1, _plan),
-        (1, _heartbeat), (1, _fault), (1, _reform_state), (1, _takeover),
+        (1, _heartbeat), (1, _fault), (1, _reform_state), (1, _takeover), (1, _succession),
         (1, _coordinators_own), (1, client_message)])
     return make(d)
 

@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
+from .address import split_host_port
 from .limits import MAX_LAYER_ELEMENTS
 from .messages import DEVICES, DTYPES, FAULT_TOLERANCE, OPS, Layer
 
@@ -97,6 +98,18 @@ def finite(values: Iterable[float], *, minimum: float = 0.0) -> bool:
 
 
 MAX_PEER_ADDRESS_CHARS = 300  # "host:port", a DNS name and a port
+
+
+def address_problem(what: str, address: str) -> str:
+    """'' when ``address`` is a daemon's ``HOST:PORT`` (IPv6 in brackets), else what is wrong
+    with ``what`` (its length first: a long one is never parsed nor echoed back)."""
+    if len(address) > MAX_PEER_ADDRESS_CHARS:
+        return f"{what} must be HOST:PORT, got {len(address)} characters"
+    try:
+        _, port = split_host_port(address)
+    except ValueError:
+        return f"{what} must be HOST:PORT, got {address!r}"
+    return "" if 0 < port < 65536 else f"{what} must be HOST:PORT, got port {port}"
 
 
 def roster_problem(roster: Sequence[object], nodes: int, world_size: int) -> str:

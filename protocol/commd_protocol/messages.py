@@ -171,6 +171,9 @@ class Registered(_Msg, tag="registered"):
     members: list[int] | None = None
     source: int = -1  # a joiner: the rank that gives it the training state
     source_local: bool = False  # ... and that rank is on this node (the transfer is local)
+    # ... and the job's coordinator now ("host:port"; "" where it is the one the rank named),
+    # which that transfer's jobs form at: after a takeover, not the launch-time address
+    coordinator: str = ""
     done_event: bytes = b""  # device jobs: cudaIpcEventHandle_t of the daemon's completion
     # event; recorded before every ``done``, the client's stream waits on it
 
@@ -230,6 +233,9 @@ class Joining(_Msg, tag="joining"):
     iteration: int
     source: int  # the lowest rank that was in the job before
     local: list[int] = msgspec.field(default_factory=list)  # the joiners on this node
+    # the job's coordinator now ("host:port"; "" where it is the one the ranks named): the
+    # state transfer's jobs form there, not at a coordinator lost before the join
+    coordinator: str = ""
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -267,6 +267,25 @@ class PeerTakeover(_Msg, tag="peer_takeover"):
     crash: bool = False
 
 
+class PeerSuccession(_Msg, tag="peer_succession"):
+    """A node of a tolerant job to the daemon now listening where the job's coordinator was
+    lost (a fresh one, started there with the node's old command): the job has been
+    coordinated at ``coordinator`` since the takeover. That daemon sends a join of the job
+    there (``PeerRedirect``) instead of forming it anew."""
+
+    job: str
+    lost: str  # "host:port": the address the lost coordinator had, where this goes
+    coordinator: str  # "host:port": the successor's
+
+
+class PeerRedirect(_Msg, tag="peer_redirect"):
+    """A coordinator to a node that asked to join a job here which was taken over elsewhere
+    (``PeerSuccession``): ask ``coordinator`` instead."""
+
+    job: str
+    coordinator: str  # "host:port"
+
+
 PeerMessage = (PeerJoin | PeerSetup | PeerAbort | PeerLeave | PeerProfile | PeerPlan
                | PeerHeartbeat | PeerStatus | PeerReform | PeerReformState | PeerResume
-               | PeerFault | PeerTakeover)
+               | PeerFault | PeerTakeover | PeerSuccession | PeerRedirect)

@@ -6,6 +6,7 @@ The coordinator's side is in tests/unit/test_membership_coordinator.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,12 +17,15 @@ import zmq.asyncio
 from membership_cases import JOB
 
 from commd.daemon.server import Daemon
+from commd.daemon.sockets import bind_peers
 from commd.job.membership import MAX_CHANGE_CHARS
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     ErrorCode,
     PeerAbort,
+    PeerJoin,
     PeerPlan,
+    PeerRedirect,
     PeerReform,
     PeerResume,
     ProtocolViolation,
@@ -296,3 +300,53 @@ async def test_malformed_reform_frames_on_the_peer_port_are_dropped_and_counted(
     finally:
         sock.close(linger=0)
         context.term()
+
+
+# --- a redirect: the job was taken over elsewhere before this node joined ---------------------
+
+
+async def test_a_joining_node_sent_on_by_its_coordinator_joins_at_the_successor(
+        daemon: Daemon, connect: Any) -> None:
+    """A node joins at a daemon that started where a lost coordinator was (its ranks ran the
+    old command); that daemon sends it on (``PeerRedirect``). Redirects to nowhere, to port
+    0, or to the same address change nothing; the real one makes the node join there — a
+    ROUTER holding the cluster key stands for the successor. Were a bad one taken, the good
+    one would come from a coordinator the job no longer has, and nothing would arrive."""
+    context = zmq.asyncio.Context()
+    successor, port = bind_peers(context, "127.0.0.1", 0, daemon._links.key)
+    client = connect()
+    buffer = HostBuffer("commd-test-redirect", 16)
+    try:
+        welcome = await client.ask(hello(job=JOB, world=2, coordinator=coordinator_of(daemon)))
+        assert welcome["type"] == "welcome", welcome
+        token = await hand_over(daemon, buffer)
+        await client.send({"type": "register", "dtype": "float32", "op": "sum",
+                           "planner": "wfbp", "buffer_token": token,
+                           "layers": [{"name": "w", "size": 4}],
+                           "fault_tolerance": "continue"})
+        await until(lambda: JOB in daemon.jobs and daemon.jobs[JOB].state is JobState.JOINING,
+                    "the node joining", WAIT_S)
+        for bad in ("nowhere", "127.0.0.1:0", "x" * 400 + ":1", coordinator_of(daemon)):
+            send_to_node(daemon, PeerRedirect(job=JOB, coordinator=bad))
+        there = f"127.0.0.1:{port}"
+        send_to_node(daemon, PeerRedirect(job=JOB, coordinator=there))
+        _, frame = await asyncio.wait_for(successor.recv_multipart(), WAIT_S)
+        join = peer_codec.decode(frame)
+        assert isinstance(join, PeerJoin) and (join.job, join.ranks) == (JOB, [0]), join
+        assert daemon.jobs[JOB].coordinator == there
+        assert daemon.jobs[JOB].state is JobState.JOINING
+    finally:
+        buffer.close()
+        successor.close(linger=0)
+        context.term()
+
+
+async def test_a_running_job_is_not_sent_anywhere(
+        daemon: Daemon, tolerant_job: tuple[RawClient, str]) -> None:
+    """Only a node still joining follows a redirect: the stopped job stays with its
+    coordinator and resumes from it."""
+    _, job = tolerant_job
+    send_to_node(daemon, PeerRedirect(job=job, coordinator="127.0.0.1:9"))
+    send_to_node(daemon, resume())
+    await until(lambda: daemon.jobs[job].state is JobState.RUNNING, "the job resumed", WAIT_S)
+    assert daemon.jobs[job].coordinator == coordinator_of(daemon)
