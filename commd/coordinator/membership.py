@@ -59,6 +59,7 @@ class Takeover:
     peers: dict[bytes, str] = field(default_factory=dict)  # node -> its peer address
     plan: int = 0  # the highest plan version in force on a node
     plans: list[PeerPlan] = field(default_factory=list)  # the latest decisions a node holds
+    dead: set[str] = field(default_factory=set)  # roster nodes an asking node knows died
 
     def add(self, node: bytes, message: PeerTakeover) -> None:
         self.states[node] = PeerReformState(job=message.job, epoch=message.epoch,
@@ -67,6 +68,7 @@ class Takeover:
         self.peers[node] = message.join.peer
         self.plan = max(self.plan, message.plan)
         self.crash = self.crash and message.crash
+        self.dead |= set(message.dead) - {message.join.peer}  # an asking node is no dead one
         latest = max((plan.version for plan in message.plans), default=0)
         if latest > max((plan.version for plan in self.plans), default=0):
             self.plans = sorted(message.plans, key=lambda plan: plan.effective_iteration)
@@ -74,13 +76,17 @@ class Takeover:
     @property
     def decisive(self) -> bool:
         """Whether those who asked may go on: a strict majority of the epoch's nodes, or every
-        other node of it, all having seen a crash (a process that died, not a split)."""
+        other node of it not known dead, all having seen a crash (a process that died, not a
+        split: a killed daemon's port refuses connections, a cut-off one's is silent)."""
         asked = len(self.peers)
         return 2 * asked > self.roster_nodes or (
-            self.crash and self.expected <= set(self.peers.values()))
+            self.crash and self.expected - self.dead <= set(self.peers.values()))
 
     def complete(self, now: float) -> bool:
-        return self.expected <= set(self.peers.values()) or now - self.started > TAKEOVER_WAIT_S
+        """Every live node of the roster asked (those known dead are not waited for), or the
+        wait is over."""
+        return (self.expected - self.dead <= set(self.peers.values())
+                or now - self.started > TAKEOVER_WAIT_S)
 
 
 def expected_peers(roster: list[RosterEntry], lost: str) -> set[str]:

@@ -266,7 +266,7 @@ class Tolerance:
                 problem = (roster_problem(message.roster, join.world_size, join.world_size)
                            or count_problem("epoch", message.epoch)
                            or count_problem("delivered", message.delivered)
-                           or _plans_problem(message))
+                           or _plans_problem(message) or _dead_problem(message))
             if not problem:
                 problem, code = self._coordinator.forming_limit(node), ErrorCode.LIMIT
             if problem:
@@ -286,7 +286,8 @@ class Tolerance:
         if takeover is None:  # formed here already: this node was given up on, or is late
             self._coordinator.refuse(node, message.job, "the job was taken over without this node")
             return
-        problem = "" if formation.lowest is None else _admission_problem(formation, node, join)
+        problem = ("" if formation.lowest is None else _admission_problem(formation, node, join)
+                   ) or _dead_problem(message)
         if problem:
             self._coordinator.refuse(node, message.job, problem, ErrorCode.MISMATCH)
             return
@@ -303,7 +304,7 @@ class Tolerance:
         takeover, membership = formation.takeover, formation.membership
         assert takeover is not None and membership is not None and formation.replanner
         formation.takeover = None
-        missing = sorted(takeover.expected - set(takeover.peers.values()))
+        missing = sorted(takeover.expected - takeover.dead - set(takeover.peers.values()))
         if not takeover.decisive:
             # A minority cannot tell the coordinator's crash from its own cut-off: the
             # majority may be training on the other side.
@@ -313,6 +314,9 @@ class Tolerance:
                 "this side cannot tell the coordinator's crash from its own cut-off"))
             return
         change = f"the coordinator {takeover.lost} lost; {len(takeover.peers)} node(s) go on"
+        dead = sorted(takeover.dead & takeover.expected)
+        if dead:
+            change += f" ({', '.join(dead[:10])} died too: its port refused, or its link closed)"
         if missing:
             change += f" ({', '.join(missing[:10])} did not ask within the wait: lost too)"
         if self._too_few(formation, change):
@@ -432,6 +436,12 @@ def _admission_problem(formation: Formation, node: bytes, join: PeerJoin) -> str
     if difference:
         return f"ranks {join.ranks[:20]} differ from the running job: {difference}"
     return ""
+
+
+def _dead_problem(message: PeerTakeover) -> str:
+    """'' when the nodes a takeover names dead are addresses."""
+    return next((problem for address in message.dead
+                 if (problem := address_problem("a dead node", address))), "")
 
 
 def _plans_problem(message: PeerTakeover) -> str:

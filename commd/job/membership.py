@@ -381,6 +381,8 @@ class Membership:
         lost, self.coordinator = self.coordinator, successor
         self._ctx.successions.record(self.id, lost, successor)
         epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]
+        if crash:
+            epochs.dead = [*epochs.dead, lost][-MAX_CHANGES_KEPT:]
         epochs.taking_over = True
         epochs.crash_seen = epochs.crash_seen or crash
         self._job.heard_from_coordinator()  # the new coordinator's silence counts from now
@@ -389,7 +391,9 @@ class Membership:
             job=self.id, epoch=max(epochs.epoch, epochs.stopping_for), delivered=delivered,
             committing=committing, join=self._job.join_request(), roster=epochs.roster,
             lost=lost, plan=pipeline.plan.version if pipeline.plan else 0,
-            crash=epochs.crash_seen, plans=list(self._job.plans_kept)))
+            crash=epochs.crash_seen, plans=list(self._job.plans_kept),
+            dead=[address for address in epochs.dead
+                  if any(entry.peer == address for entry in epochs.roster)]))
         return True
 
 

@@ -110,6 +110,9 @@ class Epochs:
     # given up on; taking_over: asked the roster's next node to coordinate, awaiting it
     roster: list[RosterEntry] = field(default_factory=list)
     given_up: list[str] = field(default_factory=list)
+    # of those, the ones whose daemon is known dead (its link closed, or its port refused a
+    # connection), not merely silent: a takeover need not wait for them nor count them
+    dead: list[str] = field(default_factory=list)
     taking_over: bool = False
     crash_seen: bool = False  # a peer closed its connections in this epoch (a process died)
     source: int = -1  # a joining node: the rank that gives its ranks the training state

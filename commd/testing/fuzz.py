@@ -389,7 +389,9 @@ def _takeover(d: Draws) -> PeerTakeover:
                         committing=d.choice([True, False]), join=join, roster=_roster(d),
                         lost=f"127.0.0.1:{d.integer(1, 65535)}", plan=d.integer(0, 3),
                         plans=[_plan(d) for _ in range(d.integer(0, 2))],
-                        crash=d.choice([True, False]))
+                        crash=d.choice([True, False]),
+                        dead=[d.choice(["127.0.0.1:1", "nowhere", "x" * 400])
+                              for _ in range(d.integer(0, 2))])
 
 
 def _succession(d: Draws) -> PeerSuccession:

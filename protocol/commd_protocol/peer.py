@@ -15,6 +15,9 @@ from .messages import Layer, _Msg
 REPORT_EVERY = 10
 DECISION_LAG = 2
 
+# The most dead nodes a takeover names (a node keeps the last 64 coordinators it gave up on).
+MAX_DEAD_NAMED = 64
+
 # The kind of a timed collective, the fifth element of a ``PeerProfile.comm`` row.
 ALLREDUCE, ALLGATHER = 0, 1
 
@@ -265,6 +268,10 @@ class PeerTakeover(_Msg, tag="peer_takeover"):
     # a collective of this epoch failed on it because a peer closed its connections: a
     # process died (a crash), where a network split would only have gone silent
     crash: bool = False
+    # roster nodes it knows dead (their link closed, or their port refused a connection):
+    # e.g. the first successor it asked, killed with the coordinator; not waited for
+    dead: Annotated[list[str], msgspec.Meta(max_length=MAX_DEAD_NAMED)] = msgspec.field(
+        default_factory=list)
 
 
 class PeerSuccession(_Msg, tag="peer_succession"):

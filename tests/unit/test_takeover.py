@@ -179,3 +179,54 @@ def test_a_joiner_after_a_takeover_gets_the_plan_in_force_the_nodes_handed_over(
     assert isinstance(to_joiner[0], PeerResume) and to_joiner[0].iteration == 10
     assert [(m.version, m.effective_iteration) for m in to_joiner[1:]
             if isinstance(m, PeerPlan)] == [(2, 4), (3, 12)]
+
+
+# --- nodes known dead -----------------------------------------------------------------------------
+
+
+def test_a_successor_killed_with_the_coordinator_is_not_waited_for_nor_counted() -> None:
+    """The coordinator and the roster's next node die together. The last node found the
+    next one's port refusing (``dead``) and asks itself: every live node asked, all saw
+    crashes, so it goes on alone at once, though one of three is no majority."""
+    coordinator, recorder = successor()
+    second = ROSTER[1].peer
+    coordinator.on_message(C, takeover(2, lost=second, dead=[LOST, second], crash=True))
+    ((node, resume),) = recorder.take()
+    assert node == C and isinstance(resume, PeerResume)
+    assert resume.members == [2]
+    assert f"the coordinator {second} lost" in resume.change
+    assert f"({LOST} died too" in resume.change
+
+
+def test_without_a_crash_seen_one_of_three_still_waits_and_fails() -> None:
+    """The control: the same node that saw only silence (no crash) cannot tell a split from
+    deaths: it waits out the takeover and, one of three, fails the job."""
+    coordinator, recorder = successor()
+    second = ROSTER[1].peer
+    coordinator.on_message(C, takeover(2, lost=second, dead=[second], crash=False))
+    assert recorder.take() == []
+    coordinator.tick(10**6)
+    ((_, abort),) = recorder.take()
+    assert isinstance(abort, PeerAbort) and "not a majority" in abort.message
+
+
+def test_a_takeover_does_not_wait_for_a_node_named_dead() -> None:
+    """Node 1 found node 2's port refusing: it resumes alone at once, and node 2, had it
+    lived after all, is refused as one the job was taken over without."""
+    coordinator, recorder = successor()
+    coordinator.on_message(B, takeover(1, dead=[ROSTER[2].peer], crash=True))
+    ((node, resume),) = recorder.take()
+    assert node == B and isinstance(resume, PeerResume) and resume.members == [1]
+    coordinator.on_message(C, takeover(2, crash=True))
+    ((node, abort),) = recorder.take()
+    assert node == C and isinstance(abort, PeerAbort)
+    assert "taken over without this node" in abort.message
+
+
+@pytest.mark.parametrize("dead", [["nowhere"], ["x" * 400], ["127.0.0.1:0"]])
+def test_a_takeover_naming_a_dead_node_that_is_no_address_is_refused(dead: list[str]) -> None:
+    coordinator, recorder = successor()
+    coordinator.on_message(B, takeover(1, dead=dead))
+    ((node, abort),) = recorder.take()
+    assert node == B and isinstance(abort, PeerAbort) and "a dead node must be HOST:PORT" in \
+        abort.message
