@@ -6,7 +6,8 @@ LOCAL_WORLD_SIZE) plus COMMD_JOB, COMMD_COORDINATOR, COMMD_SOCKET.
 Spec (JSON, last argument): ``steps``; ``die_at`` (this rank vanishes inside that step's
 backward: after its first gradient hook, with the others' collectives under way);
 ``hold_at`` + ``joiner_rank`` (the others wait before that step until the daemon shows the
-replacement in the job); ``progress_dir``. Prints one JSON line: the step it started at, the
+replacement in the job); ``die_giving_state`` (this rank vanishes as it starts giving a joiner
+the training state); ``progress_dir``. Prints one JSON line: the step it started at, the
 world sizes it saw, and digests of its parameters, buffers and optimizer state.
 """
 
@@ -68,6 +69,13 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    if spec.get("die_giving_state"):  # this rank vanishes as it starts a hand-over
+        import commd_client._torch_rejoin as rejoin
+
+        def vanish(*args: Any, **kwargs: Any) -> None:
+            os._exit(17)
+
+        rejoin.send = vanish
     ddp = DDP(model, fault_tolerance="continue")
     # torch's first optimizer loads this lazily; a joiner must have loaded it before joining
     preloaded = "torch._dynamo" in sys.modules

@@ -49,6 +49,7 @@ class Endpoint(env.Identity):
     timeout: float = 300.0
     fault_tolerance: str = "fail"
     min_world_size: int = 1
+    helper_of: tuple[str, int] | None = None  # the state transfer's: (job, epoch) it serves
 
     def open(self, suffix: str = "", tolerant: bool = True) -> Client:
         """A connected Client for job ``<job><suffix>`` (suffix "" is the gradient job);
@@ -65,6 +66,7 @@ class Endpoint(env.Identity):
             timeout=self.timeout,
             fault_tolerance=self.fault_tolerance if tolerant else "fail",
             min_world_size=self.min_world_size if tolerant else 1,
+            helper_of=self.helper_of,
         )
         # One warning per membership change per rank: the gradient job's client says it; the
         # helper jobs beside it (other dtypes' gradients, the buffer broadcast) learn the same

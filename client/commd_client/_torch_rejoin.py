@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -31,6 +32,8 @@ from commd_protocol import CommdError
 from ._torch_common import Endpoint, broadcast_once
 
 _WORD = 4  # bytes per float64 element: a uint32 is exact in float64
+
+logger = logging.getLogger("commd_client")
 
 
 class Stateful(Protocol):
@@ -118,7 +121,8 @@ def _pair(endpoint: Endpoint, epoch: int, joiner: int, role: int, local: bool,
                                world_size=2, local_rank=role if local else 0,
                                local_world_size=2 if local else 1,
                                fault_tolerance="fail", min_world_size=1,
-                               coordinator=coordinator or endpoint.coordinator)
+                               coordinator=coordinator or endpoint.coordinator,
+                               helper_of=(endpoint.job, epoch))
 
 
 def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes, *, local: bool,
@@ -130,6 +134,32 @@ def send(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes, *, local: boo
 def receive(endpoint: Endpoint, epoch: int, *, local: bool, coordinator: str = "") -> bytes:
     """The joiner's side: the source's bytes (``local``: the source is on this node)."""
     return _exchange(_pair(endpoint, epoch, endpoint.rank, 1, local, coordinator), None)
+
+
+def take_state(endpoint: Endpoint, epoch: int, source: int, *, local: bool,
+               coordinator: str = "") -> bytes:
+    """The joiner's side, failing with what to do: a fault during the hand-over (the
+    source lost, or any membership change) fails the transfer at once, and this rank
+    with it; the job goes on without it."""
+    try:
+        return receive(endpoint, epoch, local=local, coordinator=coordinator)
+    except CommdError as exc:
+        raise CommdError(
+            f"commd: rank {endpoint.rank} could not take the running job's training state "
+            f"from rank {source}: {exc}; the job goes on without this rank: start it again "
+            "to join once more") from None
+
+
+def give_state(endpoint: Endpoint, epoch: int, joiner: int, blob: bytes, *, local: bool,
+               coordinator: str = "") -> None:
+    """The source's side, which a fault during the hand-over must not fail: the source
+    trains on (the joiner, or the change that failed the transfer, is the job's to handle
+    as a membership change), and the failure is logged."""
+    try:
+        send(endpoint, epoch, joiner, blob, local=local, coordinator=coordinator)
+    except CommdError as exc:
+        logger.warning("commd: the training state did not reach joining rank %d: %s; this "
+                       "rank trains on", joiner, exc)
 
 
 def _exchange(pair: Endpoint, blob: bytes | None) -> bytes:

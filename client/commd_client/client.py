@@ -13,6 +13,7 @@ import numpy as np
 from commd_protocol import (
     PROTOCOL_VERSION,
     CommdError,
+    CommdTypeError,
     CommdValueError,
     Done,
     Error,
@@ -61,6 +62,11 @@ class Client:
     (default COMMD_MIN_WORLD_SIZE, else 1; 1..world size) ranks live; below it the job fails
     as with ``"fail"``. Both are checked before anything connects, and sent with every
     ``register``. ``initial_world_size`` stays the world size the job formed with.
+
+    ``helper_of`` ``(job, epoch)`` makes this a short job serving a tolerant job's membership
+    epoch (the DDP wrapper's state transfer to a joiner): its daemon fails it with
+    ``RANK_LOST`` at once if that job's membership changes again on the node, since its peer
+    may be the rank that was lost.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class Client:
         timeout: float | None = None,
         fault_tolerance: str | None = None,
         min_world_size: int | None = None,
+        helper_of: tuple[str, int] | None = None,
     ) -> None:
         who = env.resolve(job, rank, world_size, local_rank, local_world_size, coordinator, socket)
         self.job, self.rank, self.initial_world_size = who.job, who.rank, who.world_size
@@ -84,6 +91,13 @@ class Client:
         self.fault_tolerance = env.fault_tolerance(fault_tolerance)
         self.min_world_size = env.min_world_size(min_world_size, who.world_size)
         self.membership = Membership(self.job, who.world_size)
+        # (job, membership epoch) this short job serves (the DDP wrapper's state transfer):
+        # the daemon fails it once that job's membership changes again
+        if helper_of is not None and not (
+                isinstance(helper_of, tuple) and len(helper_of) == 2
+                and isinstance(helper_of[0], str) and isinstance(helper_of[1], int)):
+            raise CommdTypeError(f"commd: helper_of must be (job, epoch), not {helper_of!r}")
+        self.helper_of = helper_of
         self.iteration = 0
         self.joined_at = 0  # iterations the job had completed when this rank joined it
         self.joined = False  # this rank joined a running job (fault_tolerance="continue")
@@ -125,6 +139,8 @@ class Client:
                 local_world_size=self.local_world_size,
                 coordinator=self.coordinator,
                 pid=os.getpid(),
+                parent=self.helper_of[0] if self.helper_of else "",
+                parent_epoch=self.helper_of[1] if self.helper_of else 0,
             )
         )
         reply = self._connection.receive(

@@ -208,9 +208,9 @@ class DistributedDataParallel(_TorchDDP):
             gradients.on_joining = self._give_state
             self.joined_at_step = gradients.joined_at
             if gradients.joined:
-                self._received = rejoin.unpack(rejoin.receive(
-                    self.endpoint, gradients.epoch, local=gradients.state_source_local,
-                    coordinator=gradients.state_coordinator))
+                self._received = rejoin.unpack(rejoin.take_state(
+                    self.endpoint, gradients.epoch, gradients.state_source,
+                    local=gradients.state_source_local, coordinator=gradients.state_coordinator))
                 rejoin.load_module(self.module, self._received)
                 self._buffers_fresh = True  # the source's, as its last forward left them
                 sync = False
@@ -253,8 +253,8 @@ class DistributedDataParallel(_TorchDDP):
             return
         blob = rejoin.pack(self.module, self._states, notice.iteration)
         for joiner in notice.ranks:
-            rejoin.send(self.endpoint, notice.epoch, joiner, blob, local=joiner in notice.local,
-                        coordinator=notice.coordinator)
+            rejoin.give_state(self.endpoint, notice.epoch, joiner, blob,
+                              local=joiner in notice.local, coordinator=notice.coordinator)
 
     @property
     def world_size(self) -> int:

@@ -28,6 +28,8 @@ class JobFactory:
         self.peer_port = 0  # the daemon's peer port, once bound
         self.observe: Callable[[str, Any], None] | None = None  # metrics, when served
         self.on_membership_change: Callable[[str, str], None] | None = None  # metrics, too
+        # a tolerant job's new epoch here: the sessions fail its earlier epochs' helpers
+        self.membership_changing: Callable[[str, int], None] = lambda job, epoch: None
         self._executor = executor
         self._send_client = send_client
         self._send_peer = send_peer
@@ -52,6 +54,7 @@ class JobFactory:
             on_membership_change=self.on_membership_change,
             peer_address=self.peer_address,
             successions=self.successions,
+            membership_changing=lambda job, epoch: self.membership_changing(job, epoch),
         ))
 
     def engine_for(self, kind: str) -> str:

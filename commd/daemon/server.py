@@ -95,6 +95,7 @@ class Daemon:
                                         self._welcome, self.status, self._buffers,
                                         self._client_guard)
         self.jobs: Mapping[str, Job] = self._sessions.jobs  # read-only: the sessions own it
+        self._new_job.membership_changing = self._sessions.fail_helpers
         self._job_messages = JobMessages(self.jobs, self._new_job.successions, self._links.send)
         self._report = StatusReport(
             settings, self._identity, self.jobs, self._sessions, self._buffers, self._security,

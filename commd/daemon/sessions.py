@@ -208,9 +208,10 @@ class ClientSessions:
             self._settle_exits(job)
             job = self._jobs.get(hello.job)
         if job is None:
-            refusal = self.jobs_share.refusal(uid)
+            refusal = self.jobs_share.refusal(uid) or self._helper_refusal(hello)
             if refusal:
-                raise JobError(refusal, ErrorCode.LIMIT)
+                raise JobError(refusal, ErrorCode.LIMIT if not hello.parent
+                               else ErrorCode.RANK_LOST)
             job = self._jobs[hello.job] = self._new_job(hello)
             self._owners[hello.job] = uid
             self.jobs_share.take(uid)
@@ -226,6 +227,31 @@ class ClientSessions:
         self.sessions_share.take(uid)
         self._watch_pid(identity, hello.pid)
         self._send(identity, self._welcome())
+
+    def _helper_refusal(self, hello: Hello) -> str:
+        """'' unless ``hello`` starts a helper of a job whose membership here has moved past
+        the helper's epoch (its peer may be the rank that was lost): then why."""
+        parent = self._jobs.get(hello.parent) if hello.parent else None
+        if parent is None:
+            return ""
+        epochs = parent.epochs
+        moved = max(epochs.epoch, epochs.stopping_for)
+        if moved <= hello.parent_epoch:
+            return ""
+        return (f"job {hello.parent!r} changed its membership (epoch {moved}) before this "
+                f"helper of its epoch {hello.parent_epoch} began")
+
+    def fail_helpers(self, parent: str, epoch: int) -> None:
+        """Job ``parent`` stops here for membership epoch ``epoch``: its helpers of earlier
+        epochs fail now (a state transfer whose source or joiner may be the rank lost would
+        otherwise wait for it until the timeout)."""
+        for job in list(self._jobs.values()):
+            helper = job.helper_of
+            if helper is not None and helper[0] == parent and helper[1] < epoch \
+                    and job.state not in (JobState.FAILED, JobState.CLOSED):
+                job.fail(ErrorCode.RANK_LOST,
+                         f"job {parent!r} changed its membership (epoch {epoch}) during this "
+                         f"helper of its epoch {helper[1]}: its peer may be the rank lost")
 
     def _settle_exits(self, job: Job) -> None:
         """Depart now every session of ``job`` whose process has exited (its pidfd is

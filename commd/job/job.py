@@ -80,6 +80,8 @@ class Job:
         self.membership = Membership(self.id, self.world_size,
                                      context.successions.resolve(self.id, hello.coordinator),
                                      context, self.members, self)
+        # a helper of another job's membership epoch (a state transfer): (job id, epoch)
+        self.helper_of = (hello.parent, hello.parent_epoch) if hello.parent else None
         self._done_epoch = 0  # the epoch the last finished iteration ran in
         self._closed = False
 

@@ -159,6 +159,7 @@ class Membership:
         epochs, state = self.epochs, self._job.state
         if message.epoch <= max(epochs.epoch, epochs.stopping_for):
             return  # an old or repeated change
+        self._ctx.membership_changing(self.id, message.epoch)
         if state is JobState.JOINING:  # it joins the running job in this change
             epochs.stopping_for = message.epoch
             self._send(PeerReformState(job=self.id, epoch=message.epoch, delivered=0,
@@ -378,6 +379,7 @@ class Membership:
             return False
         delivered, committing = self._stand(pipeline)
         pipeline.forget_expected_decisions()
+        self._ctx.membership_changing(self.id, max(epochs.epoch, epochs.stopping_for) + 1)
         lost, self.coordinator = self.coordinator, successor
         self._ctx.successions.record(self.id, lost, successor)
         epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]

@@ -77,6 +77,9 @@ class JobContext:
     observe: Callable[[str, IterationRecord], None] | None = None
     # (job id, kind) for every membership change of a tolerant job, e.g. metrics (None: off)
     on_membership_change: Callable[[str, str], None] | None = None
+    # (job id, epoch): a tolerant job stops here for a new membership epoch; the daemon
+    # fails that job's helpers of earlier epochs (state transfers whose peer may be gone)
+    membership_changing: Callable[[str, int], None] = lambda job, epoch: None
     # coordinator host -> "host:port" of this daemon's peer endpoint as that host reaches it
     peer_address: Callable[[str], str] = lambda host: ""
     # the daemon's one record of which node took over each job's lost coordinator

@@ -68,6 +68,10 @@ def check_hello(hello: Hello) -> None:
     problem = address_problem("coordinator", hello.coordinator)
     if problem:
         raise JobError(problem)
+    problem = (job_id_problem(hello.parent) if hello.parent else "") or count_problem(
+        "parent_epoch", hello.parent_epoch)
+    if problem:
+        raise JobError(f"parent: {problem}")
 
 
 def check_register(message: Register, context: JobContext, *, several_nodes: bool,

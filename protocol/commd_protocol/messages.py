@@ -44,6 +44,11 @@ class Hello(_Msg, tag="hello"):
     local_world_size: int
     coordinator: str  # "host:port" of the peer endpoint of the daemon on rank 0's node
     pid: int = 0  # lets the daemon notice a client that dies (pidfd)
+    # a short job that serves job ``parent`` in its membership epoch ``parent_epoch`` (the
+    # DDP wrapper's state transfer to a joiner): once that job's membership changes again
+    # on this node, the helper fails at once (its peer may be the rank that was lost)
+    parent: str = ""
+    parent_epoch: int = 0
 
 
 class Layer(msgspec.Struct, array_like=False, kw_only=True):

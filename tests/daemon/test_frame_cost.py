@@ -499,3 +499,46 @@ def test_a_joining_jobs_progress_names_its_missing_ranks_from_the_gaps(
     from commd.job.liveness import first_missing
 
     assert first_missing(world, joined, 21) == missing
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"parent": "no spaces allowed"}, "parent: invalid job id"),
+    ({"parent": "p" * 200}, "parent: invalid job id"),
+    ({"parent": "p", "parent_epoch": -1}, "parent: parent_epoch -1 is outside"),
+    ({"parent": "p", "parent_epoch": 2**62}, "parent: parent_epoch"),
+    ({"parent": "p", "parent_epoch": 2**64 - 1}, ""),
+    ({"coordinator": "127.0.0.1:0"}, "coordinator must be HOST:PORT, got port 0"),
+    ({"coordinator": "127.0.0.1:70000"}, "coordinator must be HOST:PORT, got port 70000"),
+], ids=["bad-id", "long-id", "epoch-negative", "epoch-huge", "epoch-2**64", "port-0",
+        "port-70000"])
+async def test_a_hellos_parent_and_coordinator_are_checked(connect: Any, fields: dict[str, Any],
+                                                          words: str) -> None:
+    hello = {"type": "hello", "protocol": PROTOCOL_VERSION, "job": "kid", "rank": 0,
+             "world_size": 2, "local_rank": 0, "local_world_size": 1,
+             "coordinator": "127.0.0.1:1"}
+    reply = await connect().ask({**hello, **fields})
+    assert reply["type"] == "error" and reply["code"] == "invalid", reply
+    assert words in reply["message"], reply
+    ok = await connect().ask({**hello, "parent": "p", "parent_epoch": 7})
+    assert ok["type"] == "welcome", ok
+
+
+async def test_a_helper_of_a_job_whose_membership_moved_on_is_refused_at_hello(
+        daemon: Daemon, connect: Any) -> None:
+    """A state transfer's job names the tolerant job and epoch it serves (``parent``): one
+    for an epoch the job has left on this node is refused at once (RANK_LOST), one for the
+    epoch in force, or for a job this node does not run, is welcome."""
+    helper = {"type": "hello", "protocol": PROTOCOL_VERSION, "rank": 0, "world_size": 2,
+              "local_rank": 0, "local_world_size": 1, "coordinator": "127.0.0.1:1"}
+    parent = await connect().ask({**helper, "job": "parent-job"})
+    assert parent["type"] == "welcome", parent
+    daemon.jobs["parent-job"].epochs.epoch = 3  # as after three membership changes
+    helper["parent"] = "parent-job"
+    late = await connect().ask({**helper, "job": "parent-job.state2.1", "parent_epoch": 2})
+    assert late["type"] == "error" and late["code"] == "rank_lost", late
+    assert "changed its membership (epoch 3) before this helper of its epoch 2" in \
+        late["message"]
+    for job, fields in (("parent-job.state3.1", {"parent_epoch": 3}),
+                        ("other.state1.1", {"parent": "other", "parent_epoch": 1})):
+        ok = await connect().ask({**helper, "job": job, **fields})
+        assert ok["type"] == "welcome", ok

@@ -443,3 +443,71 @@ def await_files(paths: list[Path], processes: list[subprocess.Popen[str]]) -> No
     while not all(path.exists() for path in paths):
         assert time.monotonic() < deadline, f"never reached: {[str(p) for p in paths]}"
         time.sleep(0.02)  # polling a condition, with a deadline
+
+
+def test_a_survivors_restart_after_a_takeover_rejoins_with_its_unchanged_environment(
+        tmp_path: Path) -> None:
+    """3 × 1: the coordinator's daemon (node 0) is killed and node 1 takes over; then rank 2
+    dies, and is restarted as torchrun restarts it, COMMD_COORDINATOR still naming the lost
+    address where nothing listens: its daemon knows who took the job over and joins it
+    there, and both nodes end every iteration since with the same averages."""
+    iterations, strike_at, lost_at, join_at = 14, 3, 6, 9
+    holds: dict[int, dict[str, Any]] = {
+        0: {"holds": [[strike_at, "struck"]]},
+        1: {"holds": [[strike_at, "struck"], [join_at, "joined"]]},
+        2: {"holds": [[strike_at, "struck"]], "die_at": lost_at, "die_when": "after_ready"},
+    }
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", "600") as nodes:
+        processes = start(nodes, tmp_path, iterations, holds)
+        progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+        try:
+            await_files([progress / f"held-{strike_at}-{rank}" for rank in range(3)], processes)
+            nodes[0].process.kill()
+            (progress / "struck").touch()
+            assert processes[2].wait(timeout=60) == 17
+            restarted = replacement(nodes[2], nodes[0].address, progress, 2, 3, 1, iterations)
+            processes.append(restarted)
+            survivor, joined = results([processes[1], restarted])
+            lost = results([processes[0]])[0]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+    assert "error" in lost  # rank 0 went with its daemon
+    for record in (survivor, joined):
+        assert "error" not in record and record["members"] == [1, 2], record
+    assert lost_at < joined["joined_at"] <= join_at
+    assert joined["digests"] == survivor["digests"][joined["joined_at"]:]
+    for iteration in range(joined["joined_at"], iterations):
+        assert survivor["digests"][iteration] == expected_digest([1, 2], iteration), iteration
+
+
+def test_two_daemons_killed_at_once_the_coordinators_among_them_the_last_goes_on(
+        tmp_path: Path) -> None:
+    """3 × 1: node 0's daemon (the coordinator) and node 1's (the roster's next) are killed
+    together. Node 2 asks node 1 to take over, finds its port refusing (dead, not silent),
+    takes over itself naming both dead, and trains on alone: one node of three is no
+    majority, but a crash seen is not a split. The peer timeout is longer than the test."""
+    iterations, hold_at = 12, 5
+    hold = {"hold_at": hold_at, "hold_for": "killed"}
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", "600") as nodes:
+        processes = start(nodes, tmp_path, iterations, dict.fromkeys(range(3), hold))
+        progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
+        deadline = time.monotonic() + 60
+        while True:
+            jobs = daemon_status(nodes[2].socket)["jobs"]
+            if jobs and jobs[0]["iteration"] == hold_at:
+                break
+            assert time.monotonic() < deadline, "the job never reached the hold"
+            time.sleep(0.05)  # polling a condition, with a deadline
+        nodes[0].process.kill()
+        nodes[1].process.kill()
+        (progress / "killed").touch()
+        outcome = results(processes)
+    assert "error" in outcome[0] and "error" in outcome[1]
+    last = outcome[2]
+    assert "error" not in last, last
+    assert len(last["digests"]) == iterations and last["members"] == [2]
+    for iteration in range(iterations):
+        expected = expected_digest([0, 1, 2] if iteration < hold_at else [2], iteration)
+        assert last["digests"][iteration] == expected, iteration

@@ -5,6 +5,7 @@ Three real daemons, one rank each, real Gloo."""
 from __future__ import annotations
 
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from commd.testing.daemons import LocalDaemon, daemon_set
 from commd.testing.processes import finish, start_json_worker
+from commd.testing.ranks import daemon_status
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,10 +30,17 @@ def nodes(tmp_path: Path) -> Iterator[list[LocalDaemon]]:
 
 def launch(nodes: list[LocalDaemon], job: str, rank: int, spec: dict[str, Any],
            per_node: int = 1) -> Any:
-    env = {"RANK": str(rank), "WORLD_SIZE": str(len(nodes) * per_node),
+    return launch_on(nodes[rank // per_node].socket, nodes[0].address, job, rank,
+                     len(nodes) * per_node, spec, per_node)
+
+
+def launch_on(socket: str, coordinator: str, job: str, rank: int, world: int,
+              spec: dict[str, Any], per_node: int = 1) -> Any:
+    """One rank, with the environment torchrun and the docs give it."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world),
            "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
-           "COMMD_JOB": job, "COMMD_COORDINATOR": nodes[0].address,
-           "COMMD_SOCKET": nodes[rank // per_node].socket, "COMMD_TIMEOUT": "60"}
+           "COMMD_JOB": job, "COMMD_COORDINATOR": coordinator,
+           "COMMD_SOCKET": socket, "COMMD_TIMEOUT": "60"}
     return start_json_worker([sys.executable, WORKER], spec, env=env)
 
 
@@ -78,3 +87,90 @@ def test_a_replacement_takes_a_live_peers_state(nodes: list[LocalDaemon], node_c
     assert joined["members"] == list(range(world))
     sizes = outcome[0]["world_sizes"]
     assert sizes[:die_at] == [world] * die_at and world - 1 in sizes and sizes[-1] == world
+
+
+def await_iteration(node: LocalDaemon, job: str, iteration: int) -> None:
+    """Until ``job`` on ``node`` has run ``iteration`` iterations, with a deadline."""
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = [j for j in daemon_status(node.socket)["jobs"] if j["job"] == job]
+        if jobs and (jobs[0]["iteration"] or 0) >= iteration:
+            return
+        assert time.monotonic() < deadline, f"{job} never reached iteration {iteration}"
+        time.sleep(0.05)  # polling a condition, with a deadline
+
+
+@pytest.mark.parametrize("naming", ["the-old-address", "the-successor"])
+def test_the_coordinators_node_is_replaced_and_its_rank_takes_a_live_peers_state(
+        tmp_path: Path, naming: str) -> None:
+    """SIGKILL of node 0's daemon, the coordinator (rank 0's node): node 1 takes over. A
+    fresh daemon starts in node 0's place — at its old port, and its replacement rank with
+    the very command rank 0 had (COMMD_COORDINATOR still the lost address), or elsewhere,
+    naming the successor — and the replacement joins: sent on to the successor, it takes a
+    live peer's state through jobs formed there, not at the lost address. All end equal.
+    The peer timeout is longer than the test: only the closed links can drive it."""
+    job = f"rejoin-{uuid.uuid4().hex[:8]}"
+    steps, hold_at = 10, 6
+    spec = {"steps": steps, "hold_at": hold_at, "joiner_rank": 0}
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", "600") as nodes:
+        first = [launch(nodes, job, rank, spec) for rank in range(3)]
+        try:
+            await_iteration(nodes[1], job, hold_at)  # the survivors hold there for the joiner
+            lost = nodes[0]
+            lost.process.kill()
+            lost.process.wait(timeout=30)
+            assert first[0].wait(timeout=60) != 0  # its daemon gone, rank 0 fails
+            again = naming == "the-old-address"
+            fresh = LocalDaemon(tmp_path, "d0-again", "--backend", "gloo", "--peer-timeout-s",
+                                "600", port=lost.port if again else 0)
+            try:
+                replacement = launch_on(fresh.socket,
+                                        lost.address if again else nodes[1].address,
+                                        job, 0, 3, spec)
+                outcome = [last_json(done) for done in finish(
+                    [first[1], first[2], replacement], 150.0)]
+            finally:
+                fresh.stop()
+        finally:
+            for process in first:
+                if process.poll() is None:
+                    process.kill()
+    for result in outcome:
+        assert "params" in result, result
+    joined = outcome[-1]
+    assert joined["joined_at"] == hold_at
+    for key in ("params", "buffers", "momentum", "counter", "members"):
+        assert all(result[key] == joined[key] for result in outcome), key
+    assert joined["members"] == [0, 1, 2]
+
+
+def test_the_rank_giving_the_state_dies_during_the_hand_over(
+        nodes: list[LocalDaemon]) -> None:
+    """3 × 1: rank 2 dies, its replacement joins, and rank 0, the source of its state,
+    vanishes as it starts the hand-over. The source's loss is a membership change, which
+    fails the transfer on the joiner's node at once: the joiner fails alone, saying to start
+    it again, long before any timeout; rank 1 trains on to the end."""
+    job = f"rejoin-{uuid.uuid4().hex[:8]}"
+    steps, die_at, hold_at = 10, 3, 6
+    spec = {"steps": steps, "hold_at": hold_at, "joiner_rank": 2}
+    first = [launch(nodes, job, rank, {**spec, **extra}) for rank, extra in enumerate(
+        [{"die_giving_state": True}, {}, {"die_at": die_at}])]
+    try:
+        assert first[2].wait(timeout=90) == 17
+        replacement = launch(nodes, job, 2, spec)
+        assert first[0].wait(timeout=90) == 17  # vanished at the hand-over
+        vanished = time.monotonic()
+        (joiner,) = finish([replacement], 90.0)
+        failed_after = time.monotonic() - vanished
+        (survivor,) = [last_json(done) for done in finish([first[1]], 90.0)]
+    finally:
+        for process in first:
+            if process.poll() is None:
+                process.kill()
+    assert joiner.returncode != 0
+    assert "could not take the running job's training state from rank 0" in joiner.stderr
+    assert "changed its membership" in joiner.stderr  # not a timeout
+    assert "start it again" in joiner.stderr
+    assert failed_after < 20.0, failed_after  # the ranks' timeout is 60 s
+    assert "params" in survivor, survivor
+    assert survivor["members"] == [1]

@@ -94,3 +94,14 @@ def test_good_ready_indices() -> None:
     assert check_indices(1, 2) == [1]
     assert check_indices(np.int32(0), 2) == [0]
     assert check_indices((1, 0), 2) == [1, 0]
+
+
+@pytest.mark.parametrize("helper_of", ["job", ("job",), ("job", "1"), (1, 1), ["job", 1]])
+def test_a_helper_of_that_is_no_job_and_epoch_is_refused_before_connecting(
+        helper_of: object) -> None:
+    from commd_client import Client
+
+    with pytest.raises(CommdTypeError, match=r"helper_of must be \(job, epoch\)"):
+        Client(job="j", rank=0, world_size=1, local_rank=0, local_world_size=1,
+               coordinator="127.0.0.1:1", socket="/nonexistent/commd.sock",
+               helper_of=helper_of)  # type: ignore[arg-type]

@@ -5,6 +5,8 @@ the lost address, told who took over (``PeerSuccession``), sending joins there
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
 from membership_cases import JOB, A, B, C, Recorder, formed, join
@@ -46,7 +48,7 @@ def test_coordinating_again_where_it_was_lost_makes_no_loop() -> None:
 def test_a_chain_is_followed_a_bounded_number_of_steps() -> None:
     record = Successions()
     hops = [f"10.0.1.{i}:1" for i in range(MAX_CHAIN + 5)]
-    for lost, successor in zip(hops, hops[1:], strict=False):
+    for lost, successor in itertools.pairwise(hops):
         record.record(JOB, lost, successor)
     assert record.resolve(JOB, hops[0]) == hops[MAX_CHAIN]
 
