@@ -313,6 +313,7 @@ class Membership:
                     self._ctx.send_client(member.identity, notice)
         epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
         epochs.roster, epochs.taking_over, epochs.crash_seen = message.roster, False, False
+        epochs.dead = []  # of the old roster: an address may hold a fresh daemon later
         epochs.changes = [*epochs.changes,
                           (message.epoch, message.members, change)][-MAX_CHANGES_KEPT:]
         if self._ctx.on_membership_change is not None:

@@ -113,7 +113,7 @@ class Epochs:
     # given up on; taking_over: asked the roster's next node to coordinate, awaiting it
     roster: list[RosterEntry] = field(default_factory=list)
     given_up: list[str] = field(default_factory=list)
-    # of those, the ones whose daemon is known dead (its link closed, or its port refused a
+    # of those, the ones this epoch knows dead (a link closed, or a port refused a
     # connection), not merely silent: a takeover need not wait for them nor count them
     dead: list[str] = field(default_factory=list)
     taking_over: bool = False
