@@ -66,6 +66,20 @@ async def tolerant_job(daemon: Daemon, connect: Any) -> AsyncIterator[tuple[RawC
         buffer.close()
 
 
+async def join_one_of_two(daemon: Daemon, client: RawClient, buffer: HostBuffer) -> None:
+    """Rank 0 of a two-rank tolerant job that the in-process daemon coordinates registers:
+    the node joins, and waits there for rank 1, which never comes."""
+    welcome = await client.ask(hello(job=JOB, world=2, coordinator=coordinator_of(daemon)))
+    assert welcome["type"] == "welcome", welcome
+    token = await hand_over(daemon, buffer)
+    await client.send({"type": "register", "dtype": "float32", "op": "sum", "planner": "wfbp",
+                       "buffer_token": token, "layers": [{"name": "w", "size": 4}],
+                       "fault_tolerance": "continue"})
+    await until(lambda: JOB in daemon._coordinator._jobs,  # its join reached it: joining
+                "the job's join at its coordinator", WAIT_S)
+    assert daemon.jobs[JOB].state is JobState.JOINING
+
+
 def send_to_node(daemon: Daemon, message: msgspec.Struct) -> None:
     """``message`` from the job's coordinator to its one node, over the real peer sockets."""
     node = next(iter(daemon._coordinator._jobs[JOB].joins))
@@ -182,15 +196,7 @@ async def test_a_stale_drop_does_not_end_a_later_job_of_the_same_id(
     client = connect()
     buffer = HostBuffer("commd-test-stale-drop", 16)
     try:
-        welcome = await client.ask(hello(job=JOB, world=2, coordinator=coordinator_of(daemon)))
-        assert welcome["type"] == "welcome", welcome
-        token = await hand_over(daemon, buffer)
-        await client.send({"type": "register", "dtype": "float32", "op": "sum",
-                           "planner": "wfbp", "buffer_token": token,
-                           "layers": [{"name": "w", "size": 4}],
-                           "fault_tolerance": "continue"})
-        await until(lambda: JOB in daemon._coordinator._jobs,  # its join reached it: joining
-                    "the job's join at its coordinator", WAIT_S)
+        await join_one_of_two(daemon, client, buffer)
         send_to_node(daemon, PeerAbort(job=JOB, code=ErrorCode.RANK_LOST, dropped=True,
                                        message="commd: job 'tol': this node was dropped"))
         await still_serving(connect())  # the drop went through the loop before this
@@ -317,15 +323,7 @@ async def test_a_joining_node_sent_on_by_its_coordinator_joins_at_the_successor(
     client = connect()
     buffer = HostBuffer("commd-test-redirect", 16)
     try:
-        welcome = await client.ask(hello(job=JOB, world=2, coordinator=coordinator_of(daemon)))
-        assert welcome["type"] == "welcome", welcome
-        token = await hand_over(daemon, buffer)
-        await client.send({"type": "register", "dtype": "float32", "op": "sum",
-                           "planner": "wfbp", "buffer_token": token,
-                           "layers": [{"name": "w", "size": 4}],
-                           "fault_tolerance": "continue"})
-        await until(lambda: JOB in daemon.jobs and daemon.jobs[JOB].state is JobState.JOINING,
-                    "the node joining", WAIT_S)
+        await join_one_of_two(daemon, client, buffer)
         for bad in ("nowhere", "127.0.0.1:0", "x" * 400 + ":1", coordinator_of(daemon)):
             send_to_node(daemon, PeerRedirect(job=JOB, coordinator=bad))
         there = f"127.0.0.1:{port}"
