@@ -17,6 +17,10 @@ from commd_protocol import ProtocolViolation
 from commd_protocol.codec import client_codec, daemon_codec, peer_codec
 
 SIDES: list[fuzz.Side] = ["ipc", "peer", "running"]
+# Distinct frames of 300 at least: a running job's valid messages are few (ready and wait of a
+# 3-layer job, iterations -2..3), so most of that side's variety is the mutations' (235-252 of
+# 300 over seeds 1-3 and 7); the other sides draw from every message type (280-296).
+VARIETY = {"ipc": 250, "peer": 250, "running": 200}
 
 
 @pytest.mark.parametrize("side", SIDES)
@@ -24,7 +28,8 @@ def test_a_seed_gives_the_same_frames(side: fuzz.Side) -> None:
     first, second = (fuzz.RandomDraws(random.Random(7)) for _ in range(2))
     frames = [fuzz.frame(first, side) for _ in range(300)]
     assert frames == [fuzz.frame(second, side) for _ in range(300)]
-    assert len({bytes(f) if isinstance(f, bytes) else b"|".join(f) for f in frames}) > 250
+    distinct = {bytes(f) if isinstance(f, bytes) else b"|".join(f) for f in frames}
+    assert len(distinct) > VARIETY[side]
 
 
 def decodes_to_itself(message: msgspec.Struct) -> bool:
