@@ -43,12 +43,12 @@ from typing import IO, Any
 import numpy as np
 
 from commd.cli.profile import positive_int
+from commd.cli.tables import markdown_table
 from commd.compression.topk import parse_compression
 from commd.testing.daemons import LocalDaemon
 from commd.testing.harness import DaemonHarness, JsonLineWorker
 from commd.testing.netbed import NetBed, NetBedUnavailable, available
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,12 +46,12 @@ from typing import Any
 
 import ddp_tasks  # a sibling file: bench/ is sys.path[0] of a script run from it
 
+from commd.cli.tables import markdown_table
 from commd.compression.spec import CompressionSpec, parse_compression
 from commd.testing.harness import rank_or_main
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, start_json_worker, stop_process
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
 _JOBS = itertools.count()

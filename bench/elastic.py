@@ -81,11 +81,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from commd.cli.tables import markdown_table
 from commd.testing.daemons import LocalDaemon
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, finish, kill_all, start_json_worker
 from commd.testing.provenance import provenance
-from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
 WORKER = str(HERE.with_name("elastic_worker.py"))

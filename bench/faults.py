@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from commd.cli.tables import markdown_table
 from commd.testing.daemons import LocalDaemon, commd_segments
 from commd.testing.processes import kill_all
 from commd.testing.ranks import JobSpec, await_registered, collect, start_ranks
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 FAULTS = ("kill-rank", "stop-rank", "kill-daemon", "stop-daemon", "link-down")
 LAYERS = [("conv.weight", 27), ("conv.bias", 3), ("fc.weight", 130), ("fc.bias", 10)]

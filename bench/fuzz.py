@@ -72,6 +72,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from commd.cli.tables import markdown_table
 from commd.daemon.peer_security import ClusterKey, connect_securely
 from commd.testing import fuzz
 from commd.testing.daemons import LocalDaemon
@@ -86,7 +87,6 @@ from commd.testing.fuzz import (
 )
 from commd.testing.ranks import JobSpec, assert_exact, collect, start_ranks
 from commd.testing.results import write_results
-from commd.testing.tables import markdown_table
 from commd_client.host_buffer import HostBuffer
 from commd_protocol import (
     PROTOCOL_VERSION,

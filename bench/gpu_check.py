@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from commd.cli.tables import markdown_table
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import Finished, FinishTimeout, start_json_worker
 from commd.testing.processes import finish as finish_processes
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

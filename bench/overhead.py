@@ -50,9 +50,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from commd.cli.tables import markdown_table
 from commd.testing.harness import DaemonHarness, JsonLineWorker, WorkerError
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.10

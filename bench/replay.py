@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from commd.cli.status import query
+from commd.cli.tables import markdown_table
 from commd.plan import LinearCost, evaluate
 from commd.plan.model_profiles import resolve_profile
 from commd.testing.daemons import LocalDaemon
 from commd.testing.processes import finish, kill_all, start_json_worker
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 PLANNERS = ("wfbp", "syncea", "fixed-25MB", "mgwfbp", "optimal")
 MEASURE_FROM = 15  # after the first informed plan (iteration 12) has settled

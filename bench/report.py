@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from commd.cli.tables import markdown_table
 from commd.testing.results import read_results
-from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "bench" / "report.md"
@@ -106,13 +106,12 @@ def replay(data: dict[str, Any]) -> str:
 
 
 def planner_quality(data: dict[str, Any]) -> str:
-    import planner_quality as bench
-
+    from commd.cli import quality
     from commd.plan.model_profiles import resolve_profile
 
     profiles = {name: resolve_profile(name) for name in data["profiles"]}
-    text = bench.render(profiles, data["results"], data["googlenet_check"],
-                        data["planning_time"])
+    text = quality.render(profiles, data["results"], data["googlenet_check"],
+                          data["planning_time"])
     # the bench prints a document of its own: here its title goes and its sections go down one
     lines = [("#" + line if line.startswith("#") else line)
              for line in text.splitlines() if not line.startswith("# ")]

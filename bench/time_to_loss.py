@@ -83,13 +83,13 @@ from typing import Any
 import ddp_compare  # sibling files: bench/ is sys.path[0] of a script run from it
 import text_lm
 
+from commd.cli.tables import markdown_table
 from commd.compression.spec import parse_compression
 from commd.testing import netbed
 from commd.testing.harness import rank_or_main
 from commd.testing.ports import free_port
 from commd.testing.processes import FinishTimeout, start_json_worker
 from commd.testing.provenance import provenance
-from commd.testing.tables import markdown_table
 
 HERE = Path(__file__).resolve()
 

@@ -39,8 +39,8 @@ import torch
 from ddp_tasks import CLASSES, DEFAULT_LR, MOMENTUM, TeacherStream, deep_mlp
 from torch import nn
 
+from commd.cli.tables import markdown_table
 from commd.testing.results import add_results_option, write_results
-from commd.testing.tables import markdown_table
 
 NODES = 2
 BATCH = 64

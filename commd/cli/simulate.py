@@ -13,7 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from commd.cli import quality
 from commd.cli._pyplot import pyplot
+from commd.cli.quality import DEFAULT_NETWORKS as DEFAULT_QUALITY_NETWORKS
+from commd.cli.quality import DEFAULT_NODES as DEFAULT_QUALITY_NODES
 from commd.plan import (
     MGWFBP_SIM,
     NETWORK_PRESETS,
@@ -225,6 +228,9 @@ examples:
   commd simulate --profile model.json --alpha 0.5ms --beta 0.8ns --json
   the MG-WFBP paper's GoogleNet trace (shipped) under the authors' simulator model:
   commd simulate --profile googlenet_k80 --network mgwfbp-sim --nodes 8..64
+  every planner against the optimum, every shipped profile (a few seconds):
+  commd simulate --quality
+  commd simulate --quality --profile googlenet,resnet50 --nodes 8,64 --json
 """
 
 
@@ -251,23 +257,30 @@ def register_command(subparsers: argparse._SubParsersAction[_ParserT]) -> None:
     add(
         "--planners",
         metavar="LIST",
-        default=",".join(DEFAULT_PLANNERS),
-        help=f"comma-separated planners (default: %(default)s); known: "
+        help=f"comma-separated planners (default: {','.join(DEFAULT_PLANNERS)}); known: "
         f"{', '.join(PLANNER_NAMES)}, fixed:SIZE",
     )
     add("--json", action="store_true", help="print JSON instead of tables")
     add("--plot", metavar="FILE.png", help="draw scaling efficiency vs nodes (needs matplotlib)")
+    add("--quality", action="store_true",
+        help="every planner's iteration time over the optimum's, for each profile (--profile: "
+        "a comma-separated list, default every shipped one), node count (default "
+        f"{DEFAULT_QUALITY_NODES}) and network (--network: a list, default "
+        f"{','.join(DEFAULT_QUALITY_NETWORKS)}), with MG-WFBP checked against its paper")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``commd simulate``; 0 on success, 2 (with one "commd: " line) on bad input."""
+    if args.quality:
+        return quality.run(args)
     try:
         if not args.profile:
             raise ValueError("--profile FILE (or a shipped profile name) is needed")
         nodes = parse_nodes(args.nodes) if args.nodes else []
         model = _cost_model(args, nodes)
-        planners = _planner_names(args.planners)
+        planners = _planner_names(",".join(DEFAULT_PLANNERS) if args.planners is None
+                                  else args.planners)
         plt = pyplot() if args.plot else None  # fail before any output
         profile = resolve_profile(args.profile)
         counts: list[int | None] = list(nodes) if nodes else [None]

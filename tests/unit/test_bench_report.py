@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from bench_scripts import load_bench_script
 
+from commd.cli.tables import markdown_table
 from commd.testing.results import read_results
-from commd.testing.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"

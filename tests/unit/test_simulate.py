@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from commd.cli import quality
 from commd.cli.main import main as cli_main
 from commd.plan import LinearCost, evaluate, ring_allreduce_cost, validate_plan
 from commd.plan.model_profiles import (
@@ -286,3 +287,49 @@ def test_registered_in_the_commd_command(profile_path: Path) -> None:
         ["simulate", "--profile", str(profile_path), "--network", "10gbe", "--nodes", "4"]
     )
     assert args.func.__module__ == "commd.cli.simulate"
+
+
+# --- --quality: every planner against the optimum (what bench/planner_quality.py records) ------
+
+
+def test_quality_times_every_planner_against_the_optimum(
+        capsys: pytest.CaptureFixture[str], profile_path: Path) -> None:
+    """Each row: every planner's ratio to the optimum, never under 1; the optimum's ratio is 1
+    exactly; the GoogleNet trace gets the paper's simulator network and the MG-WFBP check."""
+    code, out, err = simulate(capsys, "--quality", "--profile", f"googlenet,{profile_path}",
+                              "--nodes", "8,64", "--network", "10gbe", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["planners"] == list(quality.PLANNERS) and report["nodes"] == [8, 64]
+    assert [(r["profile"], r["network"], r["nodes"]) for r in report["results"]] == [
+        ("googlenet_k80", "10gbe", 8), ("googlenet_k80", "10gbe", 64),
+        ("googlenet_k80", "mgwfbp-sim", 8), ("googlenet_k80", "mgwfbp-sim", 64),
+        ("toy", "10gbe", 8), ("toy", "10gbe", 64)]
+    for row in report["results"]:
+        assert row["planners"]["optimal"]["ratio_to_optimal"] == 1.0
+        assert all(p["ratio_to_optimal"] >= 1.0 - 1e-9 for p in row["planners"].values())
+    check = report["googlenet_check"]["nodes"]
+    assert set(check) == {"8", "64"} and check["64"]["mgwfbp_slower_than_optimal"] > 0
+    assert report["planning_time"]["optimal_s"] > 0
+    code, out, _ = simulate(capsys, "--quality", "--profile", str(profile_path), "--nodes", "8")
+    assert code == 0 and "| nodes |" in out and "toy" in out
+    assert "MG-WFBP on" not in out  # no GoogleNet trace, no check
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--alpha", "1ms"], "--alpha: not for --quality"),
+    (["--latency", "5us", "--bandwidth", "1Gbps"], "--latency, --bandwidth: not for --quality"),
+    (["--planners", "wfbp"], "--planners: not for --quality"),
+    (["--plot", "x.png"], "--plot: not for --quality"),
+    (["--network", "5gbe"], "valid networks"),
+    (["--network", ","], "at least one preset"),
+    (["--nodes", "0"], "node count 0"),
+    (["--profile", "no-such-profile"], "shipped"),
+    (["--profile", ","], "at least one profile"),
+])
+def test_quality_bad_input_is_one_commd_line_and_exit_2(
+        capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    code, out, err = simulate(capsys, "--quality", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("commd: ") and err.count("\n") == 1, err
+    assert needle in err

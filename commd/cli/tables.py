@@ -1,4 +1,5 @@
-"""One Markdown table renderer for the benchmarks' printed results and docs/benchmarks.md."""
+"""One Markdown table renderer: for the CLI's reports, the benchmarks' printed results and
+docs/benchmarks.md (Markdown that also reads as plain text)."""
 
 from __future__ import annotations
 
