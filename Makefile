@@ -21,15 +21,15 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # What CI runs (.ci/run): lint, the docs site, then each tier of tests/ as its own pytest run,
-# so that the log gives each tier's time on pytest's summary line (see CONTRIBUTING.md), then
-# test-pure.
+# so that the log gives each tier's time on pytest's summary line (see CONTRIBUTING.md) and its
+# ten slowest tests, then test-pure.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy commd client/commd_client protocol/commd_protocol
 	$(MAKE) --no-print-directory docs
-	$(BIN)/python -m pytest -q tests/unit
-	$(BIN)/python -m pytest -q tests/daemon
-	$(BIN)/python -m pytest -q tests/system
+	$(BIN)/python -m pytest -q --durations=10 tests/unit
+	$(BIN)/python -m pytest -q --durations=10 tests/daemon
+	$(BIN)/python -m pytest -q --durations=10 tests/system
 	$(MAKE) --no-print-directory test-pure
 
 # The unit tier alone: in-process tests, no process or socket (tests/unit/conftest.py checks).
