@@ -72,12 +72,6 @@ class JobMessages:
         for job in [job for job in self._jobs.values() if job.coordinator == address]:
             liveness.on_coordinator_closed(job, now, HEARTBEAT_TIMEOUT_S)
 
-    def coordinator_absent(self, address: str) -> None:
-        """Nothing listens at ``address`` any more (a connection there was refused): every
-        job it coordinates here hears of it (``liveness.on_coordinator_absent``)."""
-        for job in [job for job in self._jobs.values() if job.coordinator == address]:
-            liveness.on_coordinator_absent(job)
-
     def coordinator_up(self, address: str) -> None:
         """The link to ``address`` is up (again): where a job of ours lost its coordinator
         there, a daemon answers there now, a fresh one, which may get joins of that job from

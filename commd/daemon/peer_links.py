@@ -21,7 +21,7 @@ log = logging.getLogger("commd.peers")
 
 _REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
            | _REFUSED[0] | _REFUSED[1] | _REFUSED[2])
 # libzmq drops a link whose peer sent no heartbeat for this long: a disconnect after such
 # silence is a cut-off or a stopped process, not the close a dying process makes.
@@ -35,19 +35,15 @@ class PeerLinks:
         self, context: zmq.asyncio.Context, on_message: Callable[[str, PeerMessage], None],
         on_closed: Callable[[str], None] = lambda address: None,
         on_up: Callable[[str], None] = lambda address: None,
-        on_absent: Callable[[str], None] = lambda address: None,
     ) -> None:
         """``on_closed(address)``: an established link to ``address`` closed (its daemon's
         process ended, or it dropped a silent link: the caller tells them apart by how long
         the coordinator had been silent). ``on_up(address)``: a handshake there succeeded,
-        the first or one after a close (a daemon answers there again). ``on_absent(address)``:
-        a connection there failed (refused: no daemon listens, e.g. a killed one's port),
-        said once until a handshake succeeds there again."""
+        the first or one after a close (a daemon answers there again)."""
         self._context = context
         self._on_message = on_message
         self._on_closed = on_closed
         self._on_up = on_up
-        self._on_absent = on_absent
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._states: dict[str, str] = {}  # "connecting", "up" or "refused", from the monitor
@@ -61,8 +57,7 @@ class PeerLinks:
 
     def state(self, address: str) -> str:
         """"up" once a handshake with ``address`` succeeded, "refused" if one failed (keys),
-        "absent" if a connection there failed (nothing listens), else "connecting" (no
-        answer yet, or a silent host)."""
+        else "connecting" (nothing answers, yet or at all)."""
         return self._states.get(address, "connecting")
 
     def send(self, address: str, message: msgspec.Struct) -> None:
@@ -104,10 +99,6 @@ class PeerLinks:
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._states[address] = "up"
                     self.guard.call(f"the link to {address} coming up", self._on_up, address)
-                elif event == zmq.EVENT_CONNECT_RETRIED:
-                    if self._states.get(address) not in ("absent", "refused"):
-                        self._states[address] = "absent"
-                        self.guard.call(f"no daemon at {address}", self._on_absent, address)
                 elif event in _REFUSED:
                     self._states[address] = "refused"
                     log.warning("the coordinator at %s refused this daemon's handshake", address)

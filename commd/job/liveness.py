@@ -43,20 +43,6 @@ def on_coordinator_closed(job: Job, now: float, heartbeat_timeout_s: float) -> N
                            "connection: its process ended (or restarted)", crash=True)
 
 
-def on_coordinator_absent(job: Job) -> None:
-    """A connection to the job's coordinator was refused: no daemon listens there. For a job
-    set up, that is a daemon that died, whatever its silence: a tolerant job turns to its
-    roster's next node at once (also when that next one is found dead this way), any other
-    job fails, naming it. A job still joining has ``CONNECT_S`` for its coordinator's daemon
-    to start (``tick``)."""
-    if job.state not in (JobState.STARTING, JobState.RUNNING, JobState.REFORMING) \
-            or _coordinated_here(job):
-        return
-    _coordinator_lost(job, f"no daemon listens at the coordinator's address {job.coordinator}"
-                           " (a connection there was refused): its daemon died",
-                      crash=True)
-
-
 def _coordinated_here(job: Job) -> bool:
     """Whether this very daemon coordinates the job: if that is stalled or gone, so is the
     check."""

@@ -312,6 +312,9 @@ class Membership:
                 if not member.left and not member.rejoining:
                     self._ctx.send_client(member.identity, notice)
         epochs.epoch, epochs.members, epochs.stopping_for = message.epoch, message.members, 0
+        if epochs.taking_over:  # resumed by the successor: the takeover went through
+            for lost in epochs.given_up:  # (one that fails leaves nothing to follow)
+                self._ctx.successions.record(self.id, lost, self.coordinator)
         epochs.roster, epochs.taking_over, epochs.crash_seen = message.roster, False, False
         epochs.dead = []  # of the old roster: an address may hold a fresh daemon later
         epochs.changes = [*epochs.changes,
@@ -382,7 +385,6 @@ class Membership:
         pipeline.forget_expected_decisions()
         self._ctx.membership_changing(self.id, max(epochs.epoch, epochs.stopping_for) + 1)
         lost, self.coordinator = self.coordinator, successor
-        self._ctx.successions.record(self.id, lost, successor)
         epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]
         if crash:
             epochs.dead = [*epochs.dead, lost][-MAX_CHANGES_KEPT:]

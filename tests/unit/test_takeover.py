@@ -185,9 +185,9 @@ def test_a_joiner_after_a_takeover_gets_the_plan_in_force_the_nodes_handed_over(
 
 
 def test_a_successor_killed_with_the_coordinator_is_not_waited_for_nor_counted() -> None:
-    """The coordinator and the roster's next node die together. The last node found the
-    next one's port refusing (``dead``) and asks itself: every live node asked, all saw
-    crashes, so it goes on alone at once, though one of three is no majority."""
+    """The coordinator and the roster's next node die together, and the last node knows
+    both dead (``dead``): it asks itself, every live node asked, all saw crashes, so it goes
+    on alone at once, though one of three is no majority."""
     coordinator, recorder = successor()
     second = ROSTER[1].peer
     coordinator.on_message(C, takeover(2, lost=second, dead=[LOST, second], crash=True))
@@ -211,8 +211,8 @@ def test_without_a_crash_seen_one_of_three_still_waits_and_fails() -> None:
 
 
 def test_a_takeover_does_not_wait_for_a_node_named_dead() -> None:
-    """Node 1 found node 2's port refusing: it resumes alone at once, and node 2, had it
-    lived after all, is refused as one the job was taken over without."""
+    """Node 1 names node 2 dead: it resumes alone at once, and node 2, had it lived after
+    all, is refused as one the job was taken over without."""
     coordinator, recorder = successor()
     coordinator.on_message(B, takeover(1, dead=[ROSTER[2].peer], crash=True))
     ((node, resume),) = recorder.take()
