@@ -316,7 +316,7 @@ class Tolerance:
         change = f"the coordinator {takeover.lost} lost; {len(takeover.peers)} node(s) go on"
         dead = sorted(takeover.dead & takeover.expected)
         if dead:
-            change += f" ({', '.join(dead[:10])} died too: its port refused, or its link closed)"
+            change += f" ({', '.join(dead[:10])} died too: its link closed)"
         if missing:
             change += f" ({', '.join(missing[:10])} did not ask within the wait: lost too)"
         if self._too_few(formation, change):

@@ -113,8 +113,8 @@ class Epochs:
     # given up on; taking_over: asked the roster's next node to coordinate, awaiting it
     roster: list[RosterEntry] = field(default_factory=list)
     given_up: list[str] = field(default_factory=list)
-    # of those, the ones this epoch knows dead (a link closed, or a port refused a
-    # connection), not merely silent: a takeover need not wait for them nor count them
+    # of those, the ones this epoch knows dead (a link that closed while it talked), not
+    # merely silent: a takeover need not wait for them nor count them
     dead: list[str] = field(default_factory=list)
     taking_over: bool = False
     crash_seen: bool = False  # a peer closed its connections in this epoch (a process died)

@@ -268,8 +268,8 @@ class PeerTakeover(_Msg, tag="peer_takeover"):
     # a collective of this epoch failed on it because a peer closed its connections: a
     # process died (a crash), where a network split would only have gone silent
     crash: bool = False
-    # roster nodes it knows dead (their link closed, or their port refused a connection):
-    # e.g. the first successor it asked, killed with the coordinator; not waited for
+    # roster nodes it knows dead (their link closed while they talked), not silent: the
+    # successor neither waits for them nor counts them
     dead: Annotated[list[str], msgspec.Meta(max_length=MAX_DEAD_NAMED)] = msgspec.field(
         default_factory=list)
 
