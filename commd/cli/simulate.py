@@ -15,8 +15,6 @@ from typing import Any, TypeVar
 
 from commd.cli import quality
 from commd.cli._pyplot import pyplot
-from commd.cli.quality import DEFAULT_NETWORKS as DEFAULT_QUALITY_NETWORKS
-from commd.cli.quality import DEFAULT_NODES as DEFAULT_QUALITY_NODES
 from commd.plan import (
     MGWFBP_SIM,
     NETWORK_PRESETS,
@@ -265,8 +263,8 @@ def register_command(subparsers: argparse._SubParsersAction[_ParserT]) -> None:
     add("--quality", action="store_true",
         help="every planner's iteration time over the optimum's, for each profile (--profile: "
         "a comma-separated list, default every shipped one), node count (default "
-        f"{DEFAULT_QUALITY_NODES}) and network (--network: a list, default "
-        f"{','.join(DEFAULT_QUALITY_NETWORKS)}), with MG-WFBP checked against its paper")
+        f"{quality.DEFAULT_NODES}) and network (--network: a list, default "
+        f"{','.join(quality.DEFAULT_NETWORKS)}), with MG-WFBP checked against its paper")
     parser.set_defaults(func=run)
 
 

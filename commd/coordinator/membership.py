@@ -77,7 +77,7 @@ class Takeover:
     def decisive(self) -> bool:
         """Whether those who asked may go on: a strict majority of the epoch's nodes, or every
         other node of it not known dead, all having seen a crash (a process that died, not a
-        split: a killed daemon's port refuses connections, a cut-off one's is silent)."""
+        split: a killed daemon's links close, a cut-off one's go silent)."""
         asked = len(self.peers)
         return 2 * asked > self.roster_nodes or (
             self.crash and self.expected - self.dead <= set(self.peers.values()))

@@ -208,10 +208,12 @@ class ClientSessions:
             self._settle_exits(job)
             job = self._jobs.get(hello.job)
         if job is None:
-            refusal = self.jobs_share.refusal(uid) or self._helper_refusal(hello)
+            refusal = self.jobs_share.refusal(uid)
             if refusal:
-                raise JobError(refusal, ErrorCode.LIMIT if not hello.parent
-                               else ErrorCode.RANK_LOST)
+                raise JobError(refusal, ErrorCode.LIMIT)
+            refusal = self._helper_refusal(hello)
+            if refusal:
+                raise JobError(refusal, ErrorCode.RANK_LOST)
             job = self._jobs[hello.job] = self._new_job(hello)
             self._owners[hello.job] = uid
             self.jobs_share.take(uid)
@@ -234,8 +236,7 @@ class ClientSessions:
         parent = self._jobs.get(hello.parent) if hello.parent else None
         if parent is None:
             return ""
-        epochs = parent.epochs
-        moved = max(epochs.epoch, epochs.stopping_for)
+        moved = parent.epochs.latest
         if moved <= hello.parent_epoch:
             return ""
         return (f"job {hello.parent!r} changed its membership (epoch {moved}) before this "
@@ -244,11 +245,11 @@ class ClientSessions:
     def fail_helpers(self, parent: str, epoch: int) -> None:
         """Job ``parent`` stops here for membership epoch ``epoch``: its helpers of earlier
         epochs fail now (a state transfer whose source or joiner may be the rank lost would
-        otherwise wait for it until the timeout)."""
+        otherwise wait for it until the timeout). A helper that ended already stays as it
+        ended (``Job.fail`` latches)."""
         for job in list(self._jobs.values()):
             helper = job.helper_of
-            if helper is not None and helper[0] == parent and helper[1] < epoch \
-                    and job.state not in (JobState.FAILED, JobState.CLOSED):
+            if helper is not None and helper[0] == parent and helper[1] < epoch:
                 job.fail(ErrorCode.RANK_LOST,
                          f"job {parent!r} changed its membership (epoch {epoch}) during this "
                          f"helper of its epoch {helper[1]}: its peer may be the rank lost")

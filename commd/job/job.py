@@ -208,6 +208,10 @@ class Job:
 
     def _join(self) -> None:
         self._move(JobState.JOINING)
+        self._ask_to_join()
+
+    def _ask_to_join(self) -> None:
+        """Send this node's join to the coordinator; the wait for its answer starts now."""
         self.liveness.joined_at = time.monotonic()
         self.ctx.send_peer(self.coordinator, self.join_request())
 
@@ -423,8 +427,7 @@ class Job:
         """The coordinator this node asked started after the job was taken over elsewhere,
         and says where: while still joining, ask there (see ``commd.job.successions``)."""
         if self.state is JobState.JOINING and self.membership.redirect(message.coordinator):
-            self.liveness.joined_at = time.monotonic()
-            self.ctx.send_peer(self.coordinator, self.join_request())
+            self._ask_to_join()
 
     # --- failure and departure -------------------------------------------------------------------
 

@@ -149,7 +149,7 @@ class Membership:
         pipeline.drop_local(local_index)
         log.warning("job %s: rank %d is gone (%s); this node goes on without it", self.id, rank,
                     why)
-        self._send(PeerFault(job=self.id, epoch=max(self.epochs.epoch, self.epochs.stopping_for),
+        self._send(PeerFault(job=self.id, epoch=self.epochs.latest,
                              message=why[:MAX_CHANGE_CHARS], lost_ranks=[rank]))
 
     # --- a change the coordinator runs -----------------------------------------------------------
@@ -157,7 +157,7 @@ class Membership:
     def on_reform(self, message: PeerReform) -> None:
         """The coordinator starts epoch ``message.epoch``: stop, and say where we stand."""
         epochs, state = self.epochs, self._job.state
-        if message.epoch <= max(epochs.epoch, epochs.stopping_for):
+        if message.epoch <= epochs.latest:
             return  # an old or repeated change
         self._ctx.membership_changing(self.id, message.epoch)
         if state is JobState.JOINING:  # it joins the running job in this change
@@ -383,7 +383,7 @@ class Membership:
             return False
         delivered, committing = self._stand(pipeline)
         pipeline.forget_expected_decisions()
-        self._ctx.membership_changing(self.id, max(epochs.epoch, epochs.stopping_for) + 1)
+        self._ctx.membership_changing(self.id, epochs.latest + 1)
         lost, self.coordinator = self.coordinator, successor
         epochs.given_up = [*epochs.given_up, lost][-MAX_CHANGES_KEPT:]
         if crash:
@@ -393,7 +393,7 @@ class Membership:
         self._job.heard_from_coordinator()  # the new coordinator's silence counts from now
         log.warning("job %s: %s; asking %s to coordinate", self.id, problem, successor)
         self._send(PeerTakeover(
-            job=self.id, epoch=max(epochs.epoch, epochs.stopping_for), delivered=delivered,
+            job=self.id, epoch=epochs.latest, delivered=delivered,
             committing=committing, join=self._job.join_request(), roster=epochs.roster,
             lost=lost, plan=pipeline.plan.version if pipeline.plan else 0,
             crash=epochs.crash_seen, plans=list(self._job.plans_kept),

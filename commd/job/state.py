@@ -120,6 +120,11 @@ class Epochs:
     crash_seen: bool = False  # a peer closed its connections in this epoch (a process died)
     source: int = -1  # a joining node: the rank that gives its ranks the training state
 
+    @property
+    def latest(self) -> int:
+        """The latest epoch this node knows: the one it runs in, or the one it stopped for."""
+        return max(self.epoch, self.stopping_for)
+
     def members_of(self, epoch: int) -> list[int]:
         """The ranks of ``epoch`` ([] when it is not kept)."""
         return next((ranks for number, ranks, _ in self.changes if number == epoch), [])
