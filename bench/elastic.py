@@ -2,15 +2,22 @@
 restarts and torchft. 3 nodes × 1 rank on 127.0.0.1, a small MLP on synthetic data.
 
 Every rank (bench/elastic_worker.py) numbers its steps and logs each one as it completes. The
-victim is rank 2 (a node that does not coordinate: losing the coordinator's node is not built
-yet). In step ``--kill-at`` it stops inside its backward pass, so the survivors are in that
-step's all-reduce, waiting for it; then the fault strikes it (a kill mid-step) and the
-survivors run on to ``--steps``. Fault kinds (``--faults``):
+victim is rank 2 (a node that does not coordinate), or rank 0 where the fault is the
+coordinator's node. In step ``--kill-at`` it stops inside its backward pass, so the survivors
+are in that step's all-reduce, waiting for it; then the fault strikes it (a kill mid-step) and
+the survivors run on to ``--steps``. Fault kinds (``--faults``):
 
 - ``rank``: SIGKILL the victim's training process;
 - ``daemon``: SIGKILL its node's commd daemon, then the rank (the whole node is gone);
 - ``stop``: SIGSTOP its node's daemon (a silent node: found by heartbeat after the daemons'
-  ``--peer-timeout-s``).
+  ``--peer-timeout-s``);
+- ``coordinator``: SIGKILL node 0's daemon, the job's coordinator, then rank 0: a survivor
+  takes over; the replacement node's daemon starts at the lost one's address and its rank
+  with the lost rank's very environment (``COMMD_COORDINATOR`` naming the lost address);
+- ``join``: rank 2 is killed as for ``rank``; at ``--rejoin-at`` its replacement joins, and
+  the rank handing it the training state stops as the hand-over starts and is killed there
+  (the fault measured is this one). The replacement fails alone at once, saying to start it
+  again; the bench starts it again, and it joins from a live replica.
 
 Systems (``--systems``), each run alternately with the others, ``--repeats`` times:
 
@@ -22,7 +29,10 @@ Systems (``--systems``), each run alternately with the others, ``--repeats`` tim
   is no daemon to kill or stop);
 - ``torchft``: torchft 0.2.0, 3 replica groups × 1 rank, min_replica_size 2, its Lighthouse
   in this process with ``--torchft-join-timeout-ms`` and ``--torchft-heartbeat-timeout-ms``;
-  ``rank`` only. Its stock DDP comm hook fails ``assert fut._fut`` when a kill lands inside
+  ``rank``, ``coordinator`` (replica 0: torchft has no coordinator among its replicas, and
+  its Lighthouse, apart, is not struck) and ``join`` (the replica sending a healing
+  replacement its state stops in ``send_checkpoint`` and is killed there).
+  Its stock DDP comm hook fails ``assert fut._fut`` when a kill lands inside
   an all-reduce, so by default the bench uses a copy that returns the local buffer on error
   (the step is then not committed; ``--torchft-hook stock`` runs the stock one). torchft is
   not a dependency of commd; install it into the venv with
@@ -44,11 +54,12 @@ Per system and fault (the worst survivor; the median over the repeats):
   membership change (a failed collective, a rank's exit, a silent daemon) and to the log line
   that names the victim's node lost.
 
-With ``--rejoin-at`` (commd), a replacement rank 2 (started after the fault, on its node's
-daemon where that lives, else on a fresh one) calls DistributedDataParallel(...) once the
-survivors have done that many steps; it takes a live peer's parameters and optimizer state
-(``ddp.register_state``) and trains from ``ddp.joined_at_step``. Reported: the seconds inside
-its DistributedDataParallel(...), from that call to its first completed step, and the
+With ``--rejoin-at``, a replacement for the victim (commd: on its node's daemon where that
+lives, else on a fresh one; torchft: a new replica) is started after the fault and let in once
+the survivors have done that many steps; it takes a live peer's parameters and optimizer state
+(commd: ``ddp.register_state``; torchft: its healing) and trains on from the job's step.
+Reported: the seconds inside its DistributedDataParallel(...) (torchft: from its Manager's
+creation to its first committed step), from that call to its first completed step, and the
 survivors' pause at the join. Whether the replicas (the replacement too) end bit-identical
 is checked too.
 
@@ -91,10 +102,12 @@ HERE = Path(__file__).resolve()
 WORKER = str(HERE.with_name("elastic_worker.py"))
 DEFAULT_JSON = "bench/results/elastic.json"
 SYSTEMS = ("commd", "torch", "torchft")
-FAULTS = ("rank", "daemon", "stop")
+FAULTS = ("rank", "daemon", "stop", "coordinator", "join")
 WORLD, VICTIM = 3, 2
+# the rank a fault strikes first: the coordinator's node is node 0
+VICTIM_OF = {"coordinator": 0}
 # what each baseline can meet: it has no daemon to kill or stop
-FAULTS_OF = {"commd": FAULTS, "torch": ("rank",), "torchft": ("rank",)}
+FAULTS_OF = {"commd": FAULTS, "torch": ("rank",), "torchft": ("rank", "coordinator", "join")}
 
 
 # --- what a run's progress logs say ---------------------------------------------------------------
@@ -166,7 +179,7 @@ def joined(records: Sequence[Record], final: dict[str, Any]) -> dict[str, Any]:
     (the live peer's state included), from that call to its first completed step, and the
     step it joined at."""
     started = final["ddp_started"]
-    first = next((r.at for r in records if r.at > started), None)
+    first = next((r.at for r in records if r.at > started and r.committed), None)
     return {"joined_at_step": final["joined_at_step"],
             "join_ddp_s": final["ddp_returned"] - started,
             "join_first_step_s": None if first is None else first - started}
@@ -185,24 +198,29 @@ def worst(per_survivor: Sequence[dict[str, Any]]) -> dict[str, Any]:
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[.,]\d+)")
 
 
-def first_line_wall(logs: Sequence[str], pattern: str) -> float | None:
-    """The wall time (s) of the earliest daemon log line that matches ``pattern``."""
+def first_line_wall(logs: Sequence[str], pattern: str, after: float = -math.inf
+                    ) -> float | None:
+    """The wall time (s) of the earliest daemon log line that matches ``pattern``, of those
+    logged at ``after`` or later (log stamps have millisecond resolution)."""
     times = []
     for text in logs:
         for line in text.splitlines():
             match = _LOG_TIME.match(line)
             if match and re.search(pattern, line):
-                stamp = match.group(1).replace(",", ".")
-                times.append(datetime.fromisoformat(stamp).timestamp())
-                break
+                stamp = datetime.fromisoformat(match.group(1).replace(",", ".")).timestamp()
+                if stamp >= after - 0.001:
+                    times.append(stamp)
+                    break
     return min(times) if times else None
 
 
-# What the survivors' daemons log: the first reaction to a fault opens a membership epoch
-# (a collective's failure, a rank's exit, a silent daemon); the victim's node is named lost
-# when the coordinator gives up on it.
-DAEMON_LINES = {"detection_s": r"WARNING commd\.coordinator: .*: epoch \d+: ",
-                "declared_lost_s": rf"epoch \d+: .*node \S+ \(ranks \[{VICTIM}\]\) lost"}
+def daemon_lines(victim: int) -> dict[str, str]:
+    """What the survivors' daemons log: the first reaction to a fault opens a membership
+    epoch (a collective's failure, a rank's exit, a lost link, a silent daemon); the victim's
+    node is named lost when the coordinator gives up on it."""
+    return {"detection_s": r"WARNING commd\.(coordinator|jobs): ",
+            "declared_lost_s": rf"epoch \d+: (.*node \S+ \(ranks \[{victim}\]\)|the "
+                               rf"coordinator \S+) lost"}
 
 
 # --- running one system under one fault -----------------------------------------------------------
@@ -220,11 +238,15 @@ class Run:
     struck_wall: float = 0.0
     go: float = math.inf  # when the replacement was let in (monotonic s)
 
+    @property
+    def victim(self) -> int:
+        return VICTIM_OF.get(self.fault, VICTIM)
+
     def spec(self, rank: int, **extra: Any) -> dict[str, Any]:
         return {"rank": rank, "world_size": WORLD, "steps": self.args.steps, "seed": 0,
                 "batch": self.args.batch, "lr": 0.01, "threads": self.args.threads,
                 "timeout": self.args.timeout, "progress_dir": str(self.workdir),
-                "victim": VICTIM, "kill_at": self.args.kill_at, **extra}
+                "victim": self.victim, "kill_at": self.args.kill_at, **extra}
 
     def progress(self, rank: int) -> Path:
         return self.workdir / f"rank{rank}.log"
@@ -243,11 +265,14 @@ class Run:
                     raise RuntimeError(f"a process exited (code {process.returncode}) before "
                                        f"the fault:\n{said.read()[-3000:] if said else ''}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {VICTIM} never reached step {self.args.kill_at}")
+                raise RuntimeError(f"rank {self.victim} never reached step "
+                                   f"{self.args.kill_at}")
             time.sleep(0.001)  # polling a file, with a deadline
 
-    def strike(self, signal_number: int, pid: int) -> None:
-        if not self.struck:
+    def strike(self, signal_number: int, pid: int, again: bool = False) -> None:
+        """Send the fault's signal; the first one (or ``again``: the one the run measures,
+        of a later fault) marks when it struck."""
+        if not self.struck or again:
             self.struck, self.struck_wall = time.monotonic(), time.time()
         os.kill(pid, signal_number)
 
@@ -255,7 +280,9 @@ class Run:
         """The survivors' costs; whether they (and ``ends``, more ranks that trained to the
         end) end with identical parameters."""
         records = {rank: read_records(self.progress(rank)) for rank in survivors}
-        per = [measure(records[rank], self.struck, self.go) for rank in survivors]
+        # a join before the fault is measured apart; a fault during the join is the run's
+        until = self.go if self.go > self.struck else math.inf
+        per = [measure(records[rank], self.struck, until) for rank in survivors]
         finals = [json.loads((self.workdir / f"rank{rank}.json").read_text())
                   for rank in (*survivors, *ends)]
         result = {**worst(per), "per_survivor": per,
@@ -268,12 +295,15 @@ class Run:
             result["join_pause_s"] = max(pauses) if pauses else None
         return result
 
-    def await_join(self, processes: Sequence[subprocess.Popen[Any]]) -> None:
-        """Until the replacement has its imports done and rank 0 has completed
-        ``--rejoin-at`` steps (files polled with a deadline)."""
+    def await_join(self, processes: Sequence[subprocess.Popen[Any]],
+                   gos: Sequence[str]) -> None:
+        """Until the replacements waiting for the files ``gos`` have their imports done and
+        a survivor has completed ``--rejoin-at`` steps (files polled with a deadline)."""
         deadline = time.monotonic() + self.args.timeout
-        ready, log = self.workdir / "joiner-ready", self.progress(0)
-        while not (ready.exists() and log.read_bytes().count(b"\n") >= self.args.rejoin_at):
+        ready = [self.workdir / f"{go}.ready" for go in gos]
+        log = self.progress(min(rank for rank in range(WORLD) if rank != self.victim))
+        while not (all(path.exists() for path in ready)
+                   and log.read_bytes().count(b"\n") >= self.args.rejoin_at):
             for process in processes:
                 if process.poll() is not None:
                     raise RuntimeError(f"a process exited (code {process.returncode}) before "
@@ -289,39 +319,57 @@ def run_commd(run: Run) -> dict[str, Any]:
     processes: list[subprocess.Popen[str]] = []
     try:
         for node in range(WORLD):
-            daemons.append(LocalDaemon(run.workdir, f"d{node}", "--backend", "gloo",
-                                       "--peer-timeout-s", str(args.peer_timeout_s)))
+            daemons.append(commd_daemon(run, f"d{node}"))
         env = {"COMMD_FAULT_TOLERANCE": "continue", "OMP_NUM_THREADS": str(args.threads)}
         job = f"elastic-{os.getpid()}-{run.workdir.name}"
         for rank, daemon in enumerate(daemons):
             spec = run.spec(rank, job=job, coordinator=daemons[0].address,
-                            socket=daemon.socket)
+                            socket=daemon.socket, pause_giving_state=run.fault == "join")
             processes.append(start_json_worker([sys.executable, WORKER, "commd"], spec,
                                                env=env))
+        victim = run.victim
         run.await_victim(processes)
-        rank_pid, daemon_pid = processes[VICTIM].pid, daemons[VICTIM].process.pid
-        if run.fault == "rank":
+        rank_pid, daemon_pid = processes[victim].pid, daemons[victim].process.pid
+        if run.fault in ("rank", "join"):
             run.strike(signal.SIGKILL, rank_pid)
-        elif run.fault == "daemon":
+        elif run.fault in ("daemon", "coordinator"):
             run.strike(signal.SIGKILL, daemon_pid)
             run.strike(signal.SIGKILL, rank_pid)
         else:
             run.strike(signal.SIGSTOP, daemon_pid)
-        survivors = [rank for rank in range(WORLD) if rank != VICTIM]
-        waited = [processes[rank] for rank in survivors]
+        survivors = [rank for rank in range(WORLD) if rank != victim]
+        # the survivors' nodes' daemons (where only a rank died, its daemon is one of them)
+        logs_of = [daemon for node, daemon in enumerate(daemons) if node != victim
+                   or run.fault in ("rank", "join")]
+        lost = victim
+        failed_start: dict[str, Any] = {}
+        joiner = None
         if args.rejoin_at:
-            waited.append(replace(run, daemons, job, env, processes))
+            again = None
+            if run.fault == "join":
+                # its second start, as the first, with its imports done before it is let in
+                again = start_replacement(run, daemons[VICTIM], daemons[0].address, job, env,
+                                          processes, go="go-again")
+            joiner = replace(run, daemons, job, env, processes, again)
+            if again is not None:
+                lost = kill_the_giver(run, processes, joiner)
+                survivors.remove(lost)
+                failed_start = first_start_failed(run, joiner)
+                (run.workdir / "go-again").touch()
+                joiner = again
+        waited = [processes[rank] for rank in survivors] + ([joiner] if joiner else [])
         finished = finish(waited, args.timeout)
         for done in finished:
             if done.returncode != 0:
                 raise RuntimeError(f"pid {done.pid} exited {done.returncode}:\n"
                                    f"{done.stderr[-2000:]}")
-        result = run.outcome(survivors, [VICTIM] if args.rejoin_at else [])
+        result = run.outcome(survivors, [victim] if args.rejoin_at else [])
         if args.rejoin_at:
-            result |= joined(read_records(run.progress(VICTIM)), result["finals"][-1])
-        logs = [daemon.log() for daemon in daemons[:VICTIM]]
-        for key, pattern in DAEMON_LINES.items():
-            found = first_line_wall(logs, pattern)
+            result |= joined(read_records(run.progress(victim)), result["finals"][-1])
+            result |= failed_start
+        logs = [daemon.log() for daemon in logs_of]
+        for key, pattern in daemon_lines(lost).items():
+            found = first_line_wall(logs, pattern, after=run.struck_wall)
             result[key] = None if found is None else found - run.struck_wall
         result["timeline"] = timeline(run)
         return result
@@ -331,6 +379,54 @@ def run_commd(run: Run) -> dict[str, Any]:
             if daemon.process.poll() is None:
                 os.kill(daemon.process.pid, signal.SIGCONT)  # a stopped one must hear TERM
             daemon.stop()
+
+
+def commd_daemon(run: Run, name: str, port: int = 0) -> LocalDaemon:
+    return LocalDaemon(run.workdir, name, "--backend", "gloo", "--peer-timeout-s",
+                       str(run.args.peer_timeout_s), port=port)
+
+
+def kill_the_giver(run: Run, processes: Sequence[subprocess.Popen[str]],
+                   joiner: subprocess.Popen[str]) -> int:
+    """Until a survivor stops as it starts handing its state to the joiner (its file
+    ``donor``, polled with a deadline); SIGKILL it there, the fault the run measures.
+    Returns its rank."""
+    deadline = time.monotonic() + run.args.timeout
+    marker = run.workdir / "donor"
+    while True:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            pid = int(marker.read_text())
+            break
+        if joiner.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("no rank started handing its state to the replacement")
+        time.sleep(0.001)  # polling a file, with a deadline
+    [rank] = [rank for rank, process in enumerate(processes[:WORLD]) if process.pid == pid]
+    run.strike(signal.SIGKILL, pid, again=True)
+    return rank
+
+
+def first_start_failed(run: Run, joiner: subprocess.Popen[str]) -> dict[str, Any]:
+    """The replacement whose state's giver was killed fails alone, saying to start it again:
+    the seconds from the kill to its DistributedDataParallel(...)'s error and to its exit."""
+    [done] = finish([joiner], run.args.timeout)
+    exited_s = time.monotonic() - run.struck
+    if done.returncode == 0 or "start it again" not in done.stderr:
+        raise RuntimeError(f"the replacement whose state's giver was killed exited "
+                           f"{done.returncode}, not saying to start it again:\n"
+                           f"{done.stderr[-2000:]}")
+    failed = float((run.workdir / f"rank{run.victim}.failed").read_text())
+    return {"first_start_failed_s": failed - run.struck, "first_start_exited_s": exited_s}
+
+
+def start_replacement(run: Run, daemon: LocalDaemon, coordinator: str, job: str,
+                      env: dict[str, str], processes: list[subprocess.Popen[str]],
+                      go: str = "go") -> subprocess.Popen[str]:
+    """The victim's replacement, on ``daemon``, waiting for the file ``go`` to join."""
+    spec = run.spec(run.victim, job=job, coordinator=coordinator, socket=daemon.socket,
+                    joiner=True, go=go)
+    joiner = start_json_worker([sys.executable, WORKER, "commd"], spec, env=env)
+    processes.append(joiner)
+    return joiner
 
 
 def timeline(run: Run) -> dict[str, Any]:
@@ -351,7 +447,7 @@ def timeline(run: Run) -> dict[str, Any]:
             last["seconds"].append(round(record.at - run.struck, 3))
         ranks[str(rank)] = segments
     go = None if run.go == math.inf else round(run.go - run.struck, 3)
-    return {"ranks": ranks, "replacement_called_s": go}
+    return {"ranks": ranks, "replacement_called_s": go, "victim": run.victim}
 
 
 def points(segments: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
@@ -383,7 +479,7 @@ def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
     for ax, (fault, line) in zip(axes[0], shown.items(), strict=True):
         for rank, segments in sorted(line["ranks"].items()):
             steps, seconds = points(segments)
-            victim = rank == str(VICTIM)
+            victim = rank == str(line.get("victim", VICTIM))
             ax.plot(seconds, steps, "." if victim else "-", markersize=2, linewidth=1,
                     label=f"rank {rank}" + (" (lost, then its replacement)" if victim else ""))
         ax.axvline(0, color="red", linestyle="--", linewidth=1, label="the fault")
@@ -405,24 +501,32 @@ def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
 
 
 def replace(run: Run, daemons: list[LocalDaemon], job: str, env: dict[str, str],
-            processes: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
-    """A replacement rank 2, started now so that its imports are done by ``--rejoin-at``
-    and let in then (or when they are done, if later): on its node's daemon where that
-    lives, else on a fresh daemon."""
-    if run.fault == "rank":
-        daemon = daemons[VICTIM]
+            processes: list[subprocess.Popen[str]], again: subprocess.Popen[str] | None = None
+            ) -> subprocess.Popen[str]:
+    """A replacement for the victim, started now so that its imports are done by
+    ``--rejoin-at`` and let in then (or when they are done, if later): on its node's daemon
+    where that lives, else on a fresh daemon — for the coordinator's node at the lost
+    daemon's address, the replacement rank with the lost one's environment. ``again``: its
+    second start, already started, whose imports are awaited too."""
+    lost = daemons[run.victim]
+    if run.fault in ("rank", "join"):
+        daemon = lost
     else:
-        daemon = LocalDaemon(run.workdir, "d3", "--backend", "gloo", "--peer-timeout-s",
-                             str(run.args.peer_timeout_s))
+        daemon = commd_daemon(run, "d3", port=lost.port if run.fault == "coordinator" else 0)
         daemons.append(daemon)
-    spec = run.spec(VICTIM, job=job, coordinator=daemons[0].address, socket=daemon.socket,
-                    joiner=True)
-    joiner = start_json_worker([sys.executable, WORKER, "commd"], spec, env=env)
-    processes.append(joiner)
-    run.await_join([*processes[:VICTIM], joiner])
+    joiner = start_replacement(run, daemon, daemons[0].address, job, env, processes)
+    survivors = [processes[rank] for rank in range(WORLD) if rank != run.victim]
+    let_in(run, [*survivors, joiner, *([again] if again else [])], again is not None)
+    return joiner
+
+
+def let_in(run: Run, watched: Sequence[subprocess.Popen[str]], again: bool = False) -> None:
+    """Once the replacement (and its second start, ``again``) has its imports done and the
+    survivors are at ``--rejoin-at``, let it in: the file ``go``. ``watched``: the processes
+    whose exit fails the wait."""
+    run.await_join(watched, ["go", *(["go-again"] if again else [])])
     run.go = time.monotonic()
     (run.workdir / "go").touch()
-    return joiner
 
 
 def run_torch(run: Run) -> dict[str, Any]:
@@ -468,20 +572,36 @@ def run_torchft(run: Run) -> dict[str, Any]:
     processes: list[subprocess.Popen[str]] = []
     try:
         env = {"OMP_NUM_THREADS": str(args.threads)}
-        for rank in range(WORLD):
+
+        def start(rank: int, **extra: Any) -> subprocess.Popen[str]:
             spec = run.spec(rank, lighthouse=lighthouse.address(), store_port=free_port(),
-                            hook=args.torchft_hook)
-            processes.append(start_json_worker([sys.executable, WORKER, "torchft"], spec,
-                                               env=env))
+                            hook=args.torchft_hook, torchft_timeout=args.torchft_timeout_s,
+                            **extra)
+            process = start_json_worker([sys.executable, WORKER, "torchft"], spec, env=env)
+            processes.append(process)
+            return process
+
+        for rank in range(WORLD):
+            start(rank, pause_giving_state=run.fault == "join")
         run.await_victim(processes)
-        run.strike(signal.SIGKILL, processes[VICTIM].pid)
-        survivors = [rank for rank in range(WORLD) if rank != VICTIM]
-        finished = finish([processes[rank] for rank in survivors], args.timeout)
+        run.strike(signal.SIGKILL, processes[run.victim].pid)
+        survivors = [rank for rank in range(WORLD) if rank != run.victim]
+        waited = [processes[rank] for rank in survivors]
+        if args.rejoin_at:  # a replacement replica that heals from a live one
+            joiner = start(run.victim, joiner=True)
+            let_in(run, [*waited, joiner])
+            if run.fault == "join":
+                survivors.remove(kill_the_giver(run, processes, joiner))
+            waited = [*(processes[rank] for rank in survivors), joiner]
+        finished = finish(waited, args.timeout)
         for done in finished:
             if done.returncode != 0:
-                raise RuntimeError(f"survivor pid {done.pid} exited {done.returncode}:\n"
+                raise RuntimeError(f"pid {done.pid} exited {done.returncode}:\n"
                                    f"{done.stderr[-2000:]}")
-        return run.outcome(survivors)
+        result = run.outcome(survivors, [run.victim] if args.rejoin_at else [])
+        if args.rejoin_at:
+            result |= joined(read_records(run.progress(run.victim)), result["finals"][-1])
+        return result
     finally:
         kill_all(processes)
         lighthouse.shutdown()
@@ -546,6 +666,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "median_step_s": median("median_step_s"),
             "join_ddp_s": median("join_ddp_s"), "join_first_step_s": median("join_first_step_s"),
             "join_pause_s": median("join_pause_s"),
+            "first_start_failed_s": median("first_start_failed_s"),
             "joined_at_step": [r["joined_at_step"] for r in good if "joined_at_step" in r],
             "steps_lost": max((r["steps_lost"] for r in good), default=None),
             "agree": all(r["agree"] for r in good) if good else None,
@@ -557,7 +678,9 @@ LABELS = {"commd": "commd (fault_tolerance=continue)",
           "torch": "torch DDP, torchrun --max-restarts=1",
           "torchft": "torchft 0.2.0 + Lighthouse"}
 FAULT_LABELS = {"rank": "rank killed", "daemon": "node killed (daemon + rank)",
-                "stop": "daemon stopped (SIGSTOP)"}
+                "stop": "daemon stopped (SIGSTOP)",
+                "coordinator": "the coordinator's node killed (daemon + rank 0)",
+                "join": "the rank giving a joiner its state killed"}
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
@@ -585,9 +708,11 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
              if fault in commd and commd[fault]["join_ddp_s"] is not None]
     if joins:
         lines += ["", markdown_table(
-            ["commd: the replacement after", "its DistributedDataParallel(...) (s)",
-             "from that call to its first step (s)", "survivors paused (s)", "joined at step"],
-            [[FAULT_LABELS[fault], cell(row["join_ddp_s"]), cell(row["join_first_step_s"]),
+            ["commd: the replacement after", "its first start failed after (s)",
+             "its DistributedDataParallel(...) (s)", "from that call to its first step (s)",
+             "survivors paused (s)", "joined at step"],
+            [[FAULT_LABELS[fault], cell(row.get("first_start_failed_s")),
+              cell(row["join_ddp_s"]), cell(row["join_first_step_s"]),
               cell(row["join_pause_s"]), ", ".join(map(str, row["joined_at_step"]))]
              for fault, row in joins])]
     return "\n".join(lines)
@@ -613,11 +738,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default=",".join(FAULTS),
                    help=f"comma-separated, from {', '.join(FAULTS)} (default all; the "
                         f"baselines run rank only)")
-    p.add_argument("--steps", type=int, default=500,
-                   help="steps of training (default 500: the survivors must still train when "
-                        "the replacement's join completes)")
+    p.add_argument("--steps", type=int, default=1500,
+                   help="steps of training (default 1500: the survivors must still train when "
+                        "the replacement's join completes, and for the join fault when its "
+                        "second start's does)")
     p.add_argument("--kill-at", type=int, default=100,
-                   help="the step (0-based) inside which the fault strikes rank 2 "
+                   help="the step (0-based) inside which the fault strikes its victim "
                         "(default 100)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every system and fault, alternating (default 3)")
@@ -634,6 +760,9 @@ def parser() -> argparse.ArgumentParser:
                         "but has not asked for the quorum (default 100, torchft's Python "
                         "LighthouseServer's; its torchft_lighthouse command's is 60000: the "
                         "survivors then wait for the heartbeat timeout)")
+    p.add_argument("--torchft-timeout-s", type=float, default=60.0,
+                   help="the torchft Manager's and Gloo's timeouts (default 60, torchft's): "
+                        "what a survivor waits for a peer that stopped answering")
     p.add_argument("--torchft-hook", choices=("tolerant", "stock"), default="tolerant",
                    help="torchft's DDP comm hook: the stock one or the copy that returns the "
                         "local buffer when the all-reduce failed (default tolerant)")
@@ -664,6 +793,8 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[st
         p.error("--steps must be between 3 and 1000000")
     if not 1 <= args.kill_at <= args.steps - 2:
         p.error(f"--kill-at must be between 1 and --steps - 2 ({args.steps - 2})")
+    if "join" in faults and not args.rejoin_at:
+        p.error("--faults join needs a replacement: --rejoin-at must not be 0")
     if args.rejoin_at and not args.kill_at < args.rejoin_at < args.steps:
         p.error(f"--rejoin-at must be 0 or between --kill-at and --steps ({args.kill_at} < "
                 f"N < {args.steps})")
@@ -677,6 +808,8 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[st
         p.error("--torchft-join-timeout-ms must be between 0 and 600000")
     if not args.timeout > 0:
         p.error("--timeout must be positive")
+    if not 1 <= args.torchft_timeout_s < args.timeout:
+        p.error("--torchft-timeout-s must be at least 1 and below --timeout")
     return systems, faults
 
 
@@ -684,7 +817,11 @@ def join_words(outcome: dict[str, Any]) -> str:
     if "join_ddp_s" not in outcome:
         return ""
     first = outcome["join_first_step_s"]
-    return (f"; the replacement joined at step {outcome['joined_at_step']}, "
+    failed = outcome.get("first_start_failed_s")
+    again = ("" if failed is None else
+             f"; the replacement's first start failed {failed:.2f} s after the kill and was "
+             f"started again")
+    return (f"{again}; the replacement joined at step {outcome['joined_at_step']}, "
             f"{outcome['join_ddp_s']:.2f} s in DistributedDataParallel(...), its first step "
             f"{'-' if first is None else f'{first:.2f}'} s after that call")
 
@@ -728,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
                      "peer_timeout_s": args.peer_timeout_s,
                      "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
                      "torchft_join_timeout_ms": args.torchft_join_timeout_ms,
+                     "torchft_timeout_s": args.torchft_timeout_s,
                      "threads": args.threads,
                      "model": "MLP 256-512-512-10, SGD lr 0.01 momentum 0.9",
                      "systems": systems, "faults": faults,

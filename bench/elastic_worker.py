@@ -13,6 +13,8 @@ process of the machine, so the bench can line them up with the moment it struck;
 lines them up with the daemons' logs). ``committed`` is 0 for a step whose update was thrown
 away (torchft's should_commit said no). A restarted torchrun rank appends to the same file.
 At the end each rank writes ``rank<R>.json``: its parameters' digest and what it saw.
+A commd rank whose spec has ``pause_giving_state`` stops as it starts handing its state to a
+joiner (the file ``donor`` says so), for the bench to kill it there.
 
 Usage: python elastic_worker.py SYSTEM '<json spec>'   (torchrun runs it the same way)
 """
@@ -115,24 +117,65 @@ def victim_of(spec: dict[str, Any], rank: int, module: nn.Module) -> Victim | No
     return Victim(module, spec["progress_dir"], spec["kill_at"])
 
 
+def await_go(spec: dict[str, Any]) -> None:
+    """A replacement is started early (imports are slow on a busy machine): it says it is
+    ready (``go.ready``) and joins when the bench says so (the file ``go``; the spec may name
+    another, for a second replacement). Any other rank goes on at once."""
+    if not spec.get("joiner"):
+        return
+    go = Path(spec["progress_dir"]) / spec.get("go", "go")
+    go.with_suffix(".ready").touch()
+    await_file(go, spec["timeout"])
+
+
+def mark_and_wait(marker: Path) -> bool:
+    """Say where this rank stopped (the file ``marker``, with its pid) and wait there for the
+    bench's SIGKILL; False (at once) when the mark is made already: only the first time."""
+    if marker.exists():
+        return False
+    marker.write_text(str(os.getpid()))
+    while True:
+        time.sleep(3600)  # until the bench's SIGKILL (on whichever thread this runs)
+
+
+def pause_when_giving_state(directory: Path) -> None:
+    """This rank stops as it starts handing its state to a joiner, says so with the file
+    ``donor`` and waits there for the bench's SIGKILL: a kill during a join, at a known
+    moment. Only the first hand-over: the file is the mark."""
+    import commd_client._torch_rejoin as rejoin
+
+    send = rejoin.send
+    marker = directory / "donor"
+
+    def paused(*args: Any, **kwargs: Any) -> None:
+        mark_and_wait(marker)
+        send(*args, **kwargs)
+
+    rejoin.send = paused
+
+
 def run_commd(spec: dict[str, Any]) -> None:
+    from commd_client import CommdError
     from commd_client.torch import DistributedDataParallel
 
     rank = spec["rank"]
     directory = Path(spec["progress_dir"])
-    if spec.get("joiner"):
-        # a replacement started early (imports are slow on a busy machine): it says it is
-        # ready and joins when the bench says so, at --rejoin-at
-        (directory / "joiner-ready").touch()
-        await_file(directory / "go", spec["timeout"])
+    if spec.get("pause_giving_state"):
+        pause_when_giving_state(directory)
+    await_go(spec)
     progress = Progress(spec["progress_dir"], rank)
     module = build_model(spec["seed"])
     victim = None if spec.get("joiner") else victim_of(spec, rank, module)
     started = time.monotonic()
-    model = DistributedDataParallel(module, job=spec["job"], rank=rank,
-                                    world_size=spec["world_size"], local_rank=0,
-                                    local_world_size=1, coordinator=spec["coordinator"],
-                                    socket=spec["socket"], timeout=spec["timeout"])
+    try:
+        model = DistributedDataParallel(module, job=spec["job"], rank=rank,
+                                        world_size=spec["world_size"], local_rank=0,
+                                        local_world_size=1, coordinator=spec["coordinator"],
+                                        socket=spec["socket"], timeout=spec["timeout"])
+    except CommdError:
+        # when it failed, before the interpreter's exit (seconds with torch loaded)
+        (directory / f"rank{rank}.failed").write_text(f"{time.monotonic():.6f}")
+        raise
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
     # every rank: a replacement takes the momentum from a live peer with the parameters
     model.register_state("optimizer", optimizer)
@@ -214,9 +257,10 @@ def run_torchft(spec: dict[str, Any]) -> None:
         _comm_hook = staticmethod(tolerant_hook(fallbacks))
 
     rank = spec["rank"]
+    await_go(spec)
     progress = Progress(spec["progress_dir"], rank)
     module = build_model(spec["seed"])
-    victim = victim_of(spec, rank, module)
+    victim = None if spec.get("joiner") else victim_of(spec, rank, module)
     optimizer = torch.optim.SGD(module.parameters(), lr=spec["lr"], momentum=0.9)
     # each replica group (one rank) has its own store, as torchft's examples start one per group
     store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=True,
@@ -226,31 +270,52 @@ def run_torchft(spec: dict[str, Any]) -> None:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
-    timeout = timedelta(seconds=spec["timeout"])
+    timeout = timedelta(seconds=spec["torchft_timeout"])
+    started = time.monotonic()
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2,
                       load_state_dict=load,
                       state_dict=lambda: {"model": module.state_dict(),
                                           "optimizer": optimizer.state_dict()},
-                      replica_id=f"replica{rank}", lighthouse_addr=spec["lighthouse"],
+                      replica_id=f"replica{rank}" + ("-replacement" if spec.get("joiner") else ""),
+                      lighthouse_addr=spec["lighthouse"],
                       rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    if spec.get("pause_giving_state"):  # stop as it starts sending a healing peer the state
+        transport = manager._checkpoint_transport
+        send = transport.send_checkpoint
+        marker = Path(spec["progress_dir"]) / "donor"
+
+        def paused(*args: Any, **kwargs: Any) -> None:
+            # not at the first step's weight sync (init_sync): at a replacement's heal
+            if manager.current_step() > spec["kill_at"]:
+                mark_and_wait(marker)
+            send(*args, **kwargs)
+
+        transport.send_checkpoint = paused  # type: ignore[method-assign]
     model = TolerantDDP(manager, module) if spec["hook"] == "tolerant" else FtDDP(manager, module)
     # All three replicas heartbeat before any asks for the first quorum: a replica that asks
     # late waits outside the quorum until its membership changes, and the fault would then
     # strike a job of two
     barrier(Path(spec["progress_dir"]), rank, spec["world_size"], spec["timeout"])
     discarded = 0
+    first: tuple[int, float] | None = None  # its first committed step, and when: a replacement
     while manager.current_step() < spec["steps"]:
-        step = manager.current_step()
         manager.start_quorum()
-        train_step(model, optimizer, rank, step, spec["batch"], victim)
+        train_step(model, optimizer, rank, manager.current_step(), spec["batch"], victim)
         committed = manager.should_commit()
+        # the step as the quorum left it (a replica that healed took the job's), before the
+        # commit counted it
+        step = manager.current_step() - 1 if committed else manager.current_step()
         if committed:
             optimizer.step()
+            first = first or (step, time.monotonic())
         else:
             discarded += 1
         progress.step(step, committed)
-    progress.finish(module, discarded=discarded, local_buffer_returned_at=fallbacks)
+    # a replacement heals inside its first quorum: its start to that step is its join
+    joined_at, returned = first or (spec["steps"], time.monotonic())
+    progress.finish(module, discarded=discarded, local_buffer_returned_at=fallbacks,
+                    joined_at_step=joined_at, ddp_started=started, ddp_returned=returned)
     manager.shutdown(wait=False)
 
 

@@ -6,9 +6,12 @@ LOCAL_WORLD_SIZE) plus COMMD_JOB, COMMD_COORDINATOR, COMMD_SOCKET.
 Spec (JSON, last argument): ``steps``; ``die_at`` (this rank vanishes inside that step's
 backward: after its first gradient hook, with the others' collectives under way);
 ``hold_at`` + ``joiner_rank`` (the others wait before that step until the daemon shows the
-replacement in the job); ``die_giving_state`` (this rank vanishes as it starts giving a joiner
-the training state); ``progress_dir``. Prints one JSON line: the step it started at, the
-world sizes it saw, and digests of its parameters, buffers and optimizer state.
+replacement in the job); ``hold_again_at`` + ``hold_again_epoch`` (the others wait before
+that step until the replacement is in the job again, in that membership epoch or a later
+one: a second start after the first failed); ``die_giving_state`` (this rank vanishes as it
+starts giving a joiner the training state); ``progress_dir``. Prints one JSON line: the step
+it started at, the world sizes it saw, and digests of its parameters, buffers and optimizer
+state.
 """
 
 from __future__ import annotations
@@ -50,14 +53,14 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True) * 0.5
 
 
-def hold_until_joined(spec: dict[str, Any]) -> None:
+def hold_until_joined(spec: dict[str, Any], epoch: int = 0) -> None:
     from commd.cli.status import query
 
     deadline = time.monotonic() + 60
     job = os.environ["COMMD_JOB"]
     while True:
         jobs = [j for j in query(os.environ["COMMD_SOCKET"])["jobs"] if j["job"] == job]
-        if jobs and spec["joiner_rank"] in jobs[0]["members"]:
+        if jobs and spec["joiner_rank"] in jobs[0]["members"] and jobs[0]["epoch"] >= epoch:
             return
         if time.monotonic() > deadline:
             raise SystemExit("the replacement never joined")
@@ -89,6 +92,8 @@ def main() -> None:
     for step in range(ddp.joined_at_step, spec["steps"]):
         if step == spec.get("hold_at") and rank != spec.get("joiner_rank"):
             hold_until_joined(spec)
+        if step == spec.get("hold_again_at") and rank != spec.get("joiner_rank"):
+            hold_until_joined(spec, spec["hold_again_epoch"])
         x, y = batch(rank, step)
         loss = nn.functional.mse_loss(ddp(x), y)
         if step == spec.get("die_at"):

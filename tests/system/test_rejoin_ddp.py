@@ -149,10 +149,14 @@ def test_the_rank_giving_the_state_dies_during_the_hand_over(
     """3 × 1: rank 2 dies, its replacement joins, and rank 0, the source of its state,
     vanishes as it starts the hand-over. The source's loss is a membership change, which
     fails the transfer on the joiner's node at once: the joiner fails alone, saying to start
-    it again, long before any timeout; rank 1 trains on to the end."""
+    it again, long before any timeout; rank 1 trains on. Started again, as it says, the
+    replacement joins with rank 1's state, and the two end equal."""
     job = f"rejoin-{uuid.uuid4().hex[:8]}"
-    steps, die_at, hold_at = 10, 3, 6
-    spec = {"steps": steps, "hold_at": hold_at, "joiner_rank": 2}
+    steps, die_at, hold_at = 12, 3, 6
+    # epochs: 1 rank 2 lost, 2 its replacement joined, 3 rank 0 lost, 4 the replacement
+    # failed, 5 its second start joined
+    spec = {"steps": steps, "hold_at": hold_at, "joiner_rank": 2, "hold_again_at": 9,
+            "hold_again_epoch": 5}
     first = [launch(nodes, job, rank, {**spec, **extra}) for rank, extra in enumerate(
         [{"die_giving_state": True}, {}, {"die_at": die_at}])]
     try:
@@ -162,7 +166,8 @@ def test_the_rank_giving_the_state_dies_during_the_hand_over(
         vanished = time.monotonic()
         (joiner,) = finish([replacement], 90.0)
         failed_after = time.monotonic() - vanished
-        (survivor,) = [last_json(done) for done in finish([first[1]], 90.0)]
+        again = launch(nodes, job, 2, spec)
+        outcome = [last_json(done) for done in finish([first[1], again], 90.0)]
     finally:
         for process in first:
             if process.poll() is None:
@@ -172,5 +177,10 @@ def test_the_rank_giving_the_state_dies_during_the_hand_over(
     assert "changed its membership" in joiner.stderr  # not a timeout
     assert "start it again" in joiner.stderr
     assert failed_after < 20.0, failed_after  # the ranks' timeout is 60 s
-    assert "params" in survivor, survivor
-    assert survivor["members"] == [1]
+    for result in outcome:
+        assert "params" in result, result
+    survivor, joined = outcome
+    assert joined["joined_at"] == 9
+    for key in ("params", "buffers", "momentum", "counter", "members"):
+        assert survivor[key] == joined[key], key
+    assert joined["members"] == [1, 2]

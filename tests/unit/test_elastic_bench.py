@@ -88,12 +88,25 @@ def test_the_daemons_first_lines_are_found_in_wall_time() -> None:
             "2026-12-06 04:17:08,100 INFO commd.server: serving\n"
             "2026-12-06 04:17:08,300 WARNING commd.coordinator: job j: epoch 1: a collective "
             "failed on node 127.0.0.1\n"]
-    detected = bench.first_line_wall(logs, bench.DAEMON_LINES["detection_s"])
-    declared = bench.first_line_wall(logs, bench.DAEMON_LINES["declared_lost_s"])
+    lines = bench.daemon_lines(2)
+    detected = bench.first_line_wall(logs, lines["detection_s"])
+    declared = bench.first_line_wall(logs, lines["declared_lost_s"])
     assert declared is not None and detected is not None
     assert declared - detected == pytest.approx(0.088)
     assert bench.first_line_wall(["no time here: epoch 1: node x (ranks [2]) lost"],
-                                 bench.DAEMON_LINES["declared_lost_s"]) is None
+                                 lines["declared_lost_s"]) is None
+    # another rank's loss is not this victim's; lines before the fault are an earlier one's
+    assert bench.first_line_wall(logs, bench.daemon_lines(0)["declared_lost_s"]) is None
+    assert bench.first_line_wall(logs, lines["detection_s"], after=detected + 0.05) == \
+        pytest.approx(declared)
+
+
+def test_the_coordinators_loss_is_declared_in_its_successors_words() -> None:
+    logs = ["2026-12-07 18:02:08,019 WARNING commd.jobs: job j: epoch 1: the coordinator "
+            "127.0.0.1:34259 lost; 2 node(s) go on; node 1 of 2, 2 rank(s), from iteration 50\n"]
+    lines = bench.daemon_lines(0)
+    assert bench.first_line_wall(logs, lines["declared_lost_s"]) is not None
+    assert bench.first_line_wall(logs, lines["detection_s"]) is not None
 
 
 # --- the committed result -------------------------------------------------------------------------
@@ -137,7 +150,7 @@ def test_the_committed_result() -> None:
     result = json.loads(COMMITTED.read_text())
     check_result(result)
     settings = result["settings"]
-    assert (settings["steps"], settings["kill_at"], settings["rejoin_at"]) == (500, 100, 200)
+    assert (settings["steps"], settings["kill_at"], settings["rejoin_at"]) == (1500, 100, 200)
     summary = result["summary"]
     assert set(summary["commd"]) == set(bench.FAULTS)
     for fault, row in summary["commd"].items():
@@ -150,30 +163,49 @@ def test_the_committed_result() -> None:
     assert summary["commd"]["rank"]["stall_s"] < torch["stall_s"]
     # a silent node costs about the daemons' peer timeout, no less
     assert summary["commd"]["stop"]["declared_lost_s"] >= settings["peer_timeout_s"]
-    # after every fault a replacement joined, and all three replicas ended identical
+    # a killed process is not a silent one: the coordinator's node and the rank giving a
+    # joiner its state cost the survivors well under the peer timeout
+    for fault in ("coordinator", "join"):
+        assert summary["commd"][fault]["stall_s"] < settings["peer_timeout_s"], fault
+    # after every fault a replacement joined, and all replicas ended identical
     for run in (r for r in result["runs"] if r["system"] == "commd"):
         assert run["joined_at_step"] >= settings["rejoin_at"]
-        assert run["agree"] is True and len(run["finals"]) == 3
+        assert run["agree"] is True
         assert run["join_ddp_s"] > 0 and run["join_first_step_s"] >= run["join_ddp_s"]
-        # the survivors stop for the join itself, not for the replacement's own start-up
-        assert run["join_pause_s"] < run["join_ddp_s"]
         assert run["timeline"]["replacement_called_s"] > 0
+        if run["fault"] == "join":
+            # the giver and the victim are gone: one survivor and the replacement's second
+            # start, which came after the first failed, at once, saying to start it again
+            assert len(run["finals"]) == 2
+            assert 0 < run["first_start_failed_s"] < settings["peer_timeout_s"]
+        else:
+            assert len(run["finals"]) == 3
+            # the survivors stop for the join itself, not for the replacement's start-up
+            assert run["join_pause_s"] < run["join_ddp_s"]
     if "torchft" in result["skipped"]:
         assert "not installed" in result["skipped"]["torchft"]
     else:
+        assert set(summary["torchft"]) == set(bench.FAULTS_OF["torchft"])
         assert summary["torchft"]["rank"]["steps_lost"] == 1  # its step in flight
         for run in (r for r in result["runs"] if r["system"] == "torchft"):
-            # the kill landed inside the survivors' all-reduce of that step: the victim was in
-            # the quorum, and the bench's hook returned the local buffer there
-            assert all(final["local_buffer_returned_at"] == [settings["kill_at"]]
-                       for final in run["finals"])
+            assert run["agree"] is True
+            if run["fault"] == "rank":
+                # the kill landed inside the survivors' all-reduce of that step: the victim
+                # was in the quorum, and the bench's hook returned the local buffer there
+                assert all(final["local_buffer_returned_at"] == [settings["kill_at"]]
+                           for final in run["finals"][:2])
+        # torchft's survivors wait for its timeout when the replica healing a replacement dies
+        assert summary["torchft"]["join"]["stall_s"] >= 0.9 * settings["torchft_timeout_s"]
 
 
 # --- refusals -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--rejoin-at", "50"], "--rejoin-at must be 0 or between --kill-at and --steps"),
-    (["--rejoin-at", "500"], "--rejoin-at must be 0 or between --kill-at and --steps"),
+    (["--rejoin-at", "1500"], "--rejoin-at must be 0 or between --kill-at and --steps"),
+    (["--faults", "join", "--rejoin-at", "0"], "--faults join needs a replacement"),
+    (["--torchft-timeout-s", "0"], "--torchft-timeout-s must be at least 1 and below --timeout"),
+    (["--torchft-timeout-s", "200"], "--torchft-timeout-s must be at least 1 and below"),
     (["--rejoin-at", "-5"], "--rejoin-at must be 0 or between"),
     (["--faults", "meteor"], "--faults 'meteor': use rank, daemon, stop"),
     (["--faults", ""], "--faults '': use rank, daemon, stop"),
