@@ -60,7 +60,10 @@ the survivors have done that many steps; it takes a live peer's parameters and o
 (commd: ``ddp.register_state``; torchft: its healing) and trains on from the job's step.
 Reported: the seconds inside its DistributedDataParallel(...) (torchft: from its Manager's
 creation to its first committed step), from that call to its first completed step, and the
-survivors' pause at the join. Whether the replicas (the replacement too) end bit-identical
+survivors' pause at the join. Both replacements build their optimizer, whose construction
+imports ``torch._dynamo`` (seconds on a small machine): commd's DistributedDataParallel(...)
+loads it before it asks to join, so its figure holds it; torchft's optimizer is built before
+its Manager, so its figure does not. Whether the replicas (the replacement too) end bit-identical
 is checked too.
 
     .venv/bin/python bench/elastic.py                      # the committed result
@@ -703,18 +706,17 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     lines = [markdown_table(["fault", "system", "survivors stalled (s)",
                              "fault to next new step (s)", "steps lost", "detection (s)",
                              "declared lost (s)", "replicas identical"], rows)]
-    commd = summary.get("commd", {})
-    joins = [(fault, commd[fault]) for fault in FAULTS
-             if fault in commd and commd[fault]["join_ddp_s"] is not None]
+    joins = [(fault, system, summary[system][fault]) for fault in FAULTS for system in SYSTEMS
+             if summary.get(system, {}).get(fault, {}).get("join_ddp_s") is not None]
     if joins:
         lines += ["", markdown_table(
-            ["commd: the replacement after", "its first start failed after (s)",
-             "its DistributedDataParallel(...) (s)", "from that call to its first step (s)",
-             "survivors paused (s)", "joined at step"],
-            [[FAULT_LABELS[fault], cell(row.get("first_start_failed_s")),
+            ["the replacement after", "system", "its first start failed after (s)",
+             "its join (s): DistributedDataParallel(...), torchft from its Manager",
+             "to its first step (s)", "survivors paused (s)", "joined at step"],
+            [[FAULT_LABELS[fault], LABELS[system], cell(row.get("first_start_failed_s")),
               cell(row["join_ddp_s"]), cell(row["join_first_step_s"]),
               cell(row["join_pause_s"]), ", ".join(map(str, row["joined_at_step"]))]
-             for fault, row in joins])]
+             for fault, system, row in joins])]
     return "\n".join(lines)
 
 

@@ -72,6 +72,12 @@ class JobMessages:
         for job in [job for job in self._jobs.values() if job.coordinator == address]:
             liveness.on_coordinator_closed(job, now, HEARTBEAT_TIMEOUT_S)
 
+    def nothing_listens(self, address: str) -> None:
+        """No process listens at ``address`` (a connection there was refused): every job that
+        asked it to take over hears of it (``liveness.on_successor_gone``)."""
+        for job in [job for job in self._jobs.values() if job.coordinator == address]:
+            liveness.on_successor_gone(job)
+
     def coordinator_up(self, address: str) -> None:
         """The link to ``address`` is up (again): where a job of ours lost its coordinator
         there, a daemon answers there now, a fresh one, which may get joins of that job from

@@ -75,7 +75,8 @@ class Daemon:
         self._links = PeerLinks(
             self._context, lambda address, message: self._job_messages.deliver(address, message),
             lambda address: self._job_messages.coordinator_closed(address),
-            lambda address: self._job_messages.coordinator_up(address))
+            lambda address: self._job_messages.coordinator_up(address),
+            lambda address: self._job_messages.nothing_listens(address))
         self._rendezvous = Rendezvous(settings)
         self._peers = PeerSide(self._peer_guard, lambda send: Coordinator(
             send, self._rendezvous.port, Deadlines(

@@ -147,14 +147,15 @@ def test_below_min_world_size_the_job_fails_as_before(nodes: list[LocalDaemon],
 
 
 def kill_a_daemon(pair: list[LocalDaemon], tmp_path: Path, iterations: int, hold_at: int,
-                  victim: int) -> list[dict[str, Any]]:
-    """Train one rank per node of ``pair``; SIGKILL daemon ``victim`` while every rank holds
-    before iteration ``hold_at`` (a survivor's daemon shows the job there), then let them
-    go on; every rank's outcome."""
+                  victim: int, *more: int) -> list[dict[str, Any]]:
+    """Train one rank per node of ``pair``; SIGKILL daemon ``victim`` (and the daemons
+    ``more``, at once) while every rank holds before iteration ``hold_at`` (a survivor's
+    daemon shows the job there), then let them go on; every rank's outcome."""
     hold = {"hold_at": hold_at, "hold_for": "killed"}
     processes = start(pair, tmp_path, iterations, dict.fromkeys(range(len(pair)), hold))
     progress = next(p for p in tmp_path.iterdir() if p.name.startswith("ft-"))
-    watcher = pair[0 if victim else 1]
+    victims = {victim, *more}
+    watcher = pair[min(set(range(len(pair))) - victims)]
     deadline = time.monotonic() + 60
     while True:
         jobs = daemon_status(watcher.socket)["jobs"]
@@ -162,18 +163,20 @@ def kill_a_daemon(pair: list[LocalDaemon], tmp_path: Path, iterations: int, hold
             break
         assert time.monotonic() < deadline, "the job never reached the hold"
         time.sleep(0.05)  # polling a condition, with a deadline
-    pair[victim].process.kill()
+    for node in sorted(victims):
+        pair[node].process.kill()
     (progress / "killed").touch()
     return results(processes)
 
 
 def check_after_kill(outcome: list[dict[str, Any]], victim: int, iterations: int,
-                     hold_at: int) -> None:
-    """The victim's rank failed; the others ran every iteration, identical, with every
+                     hold_at: int, *more: int) -> None:
+    """The victims' ranks failed; the others ran every iteration, identical, with every
     rank's average before the hold and the survivors' from it on."""
     everyone = list(range(len(outcome)))
-    survivors = [rank for rank in everyone if rank != victim]
-    assert "error" in outcome[victim]
+    survivors = [rank for rank in everyone if rank not in (victim, *more)]
+    for lost in (victim, *more):
+        assert "error" in outcome[lost]
     for rank in survivors:
         assert "error" not in outcome[rank], outcome[rank]
         assert len(outcome[rank]["digests"]) == iterations
@@ -270,6 +273,19 @@ def test_a_killed_coordinators_closed_link_is_taken_over_without_the_timeout(
     with daemon_set(tmp_path, 3, "--peer-timeout-s", "600") as nodes:
         outcome = kill_a_daemon(nodes, tmp_path, 12, 5, victim=0)
     check_after_kill(outcome, 0, 12, 5)
+
+
+def test_two_daemons_killed_at_once_the_coordinator_among_them_leave_the_last_node_training(
+        tmp_path: Path) -> None:
+    """SIGKILL of node 0's daemon, the coordinator, and node 1's, the roster's next, at once:
+    node 2 asks node 1 to take over, finds nothing listening there (its connection is refused:
+    a dead daemon, not a silent one) and takes over for itself, both counted dead, and trains
+    on alone. The peer timeout here is longer than the test's whole budget: only the closed
+    link and the refused connection can have driven it."""
+    with daemon_set(tmp_path, 3, "--peer-timeout-s", "600") as nodes:
+        outcome = kill_a_daemon(nodes, tmp_path, 12, 5, 0, 1)
+    check_after_kill(outcome, 0, 12, 5, 1)
+    assert "not a majority" not in outcome[2]["stderr"]
 
 
 @pytest.mark.parametrize("victim", [0, 1])
