@@ -22,12 +22,12 @@ log = logging.getLogger("commd.peers")
 
 _REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
            | _REFUSED[0] | _REFUSED[1] | _REFUSED[2])
 # libzmq drops a link whose peer sent no heartbeat for this long: a disconnect after such
 # silence is a cut-off or a stopped process, not the close a dying process makes.
 HEARTBEAT_TIMEOUT_S = 5.0
-# A link that cannot connect is probed at most this often (libzmq retries every 100 ms)
+# An address is probed at most this often, each probe waiting this long for an answer
 PROBE_EVERY_S = 0.5
 PROBE_TIMEOUT_S = 1.0
 
@@ -45,18 +45,15 @@ class PeerLinks:
         process ended, or it dropped a silent link: the caller tells them apart by how long
         the coordinator had been silent). ``on_up(address)``: a handshake there succeeded,
         the first or one after a close (a daemon answers there again).
-        ``on_nothing_listens(address)``: a link that is not up cannot connect, and a plain
-        connection there is refused at once: no process listens on that port (its host's
-        kernel said so), a daemon that is gone, not one that is silent."""
+        ``on_nothing_listens(address)``: a ``probe`` of an address whose link is not up found
+        nothing listening: no process has that port (its host's kernel said so), a daemon
+        that is gone, not one that is silent."""
         self._context = context
         self._on_message = on_message
         self._on_closed = on_closed
         self._on_up = on_up
         self._on_nothing_listens = on_nothing_listens
         self._probed: dict[str, float] = {}  # address -> when it was last probed
-        # addresses found with nothing listening: not probed again until we send there
-        # again (someone cares anew) or a daemon answers there
-        self._gone: set[str] = set()
         self._links: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._states: dict[str, str] = {}  # "connecting", "up" or "refused", from the monitor
@@ -74,7 +71,6 @@ class PeerLinks:
         return self._states.get(address, "connecting")
 
     def send(self, address: str, message: msgspec.Struct) -> None:
-        self._gone.discard(address)
         socket = self._links.get(address) or self._open(address)
         future = socket.send(encode(message))
         future.add_done_callback(_log_failure)  # type: ignore[attr-defined]
@@ -110,12 +106,8 @@ class PeerLinks:
                         self._states[address] = "connecting"
                         self.guard.call(f"the close of the link to {address}",
                                         self._on_closed, address)
-                elif event == zmq.EVENT_CONNECT_RETRIED:
-                    if self._states.get(address) != "up":
-                        self._probe(address)
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._states[address] = "up"
-                    self._gone.discard(address)
                     self.guard.call(f"the link to {address} coming up", self._on_up, address)
                 elif event in _REFUSED:
                     self._states[address] = "refused"
@@ -123,16 +115,18 @@ class PeerLinks:
         finally:
             monitor.close(linger=0)
 
-    def _probe(self, address: str) -> None:
-        """Whether anything listens at ``address``, which our link cannot reach: libzmq's
-        retry does not say why, and only a refusal (the host's reset: no socket bound to the
-        port) means no daemon is there. A stopped daemon's kernel still accepts, and a cut
-        network is unreachable or silent: those are for the peer timeout."""
+    def probe(self, address: str) -> None:
+        """Find out whether anything listens at ``address``, whose link is not up: libzmq's
+        retries do not say why, and only a refusal (the host's reset: no socket bound to the
+        port) means no daemon is there; ``on_nothing_listens`` hears of it. A stopped
+        daemon's kernel still accepts, and a cut network is unreachable or silent: those
+        are for the peer timeout. Asked for only where it matters (a node awaiting its
+        successor): a probe that reaches a live daemon counts there as a refused handshake."""
         now = time.monotonic()
-        if address in self._gone or now - self._probed.get(address, -PROBE_EVERY_S) \
-                < PROBE_EVERY_S:
+        if self._states.get(address) == "up" \
+                or now - self._probed.get(address, -PROBE_EVERY_S) < PROBE_EVERY_S:
             return
-        self._probed[address] = now  # one entry per link: as bounded as the links
+        self._probed[address] = now  # one entry per address asked about
         key = f"{address} probe"
         if key in self._readers and not self._readers[key].done():
             return
@@ -146,7 +140,6 @@ class PeerLinks:
                 asyncio.open_connection(host.strip("[]"), int(port)), PROBE_TIMEOUT_S)
         except ConnectionRefusedError:
             if self._states.get(address) != "up":
-                self._gone.add(address)
                 self.guard.call(f"nothing listening at {address}", self._on_nothing_listens,
                                 address)
             return

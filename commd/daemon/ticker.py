@@ -25,4 +25,6 @@ async def tick_forever(period_s: float, jobs: Mapping[str, Job], sessions: Clien
         for job in list(jobs.values()):
             link = links.state(job.coordinator)
             guard.call(f"the liveness of job {job.id}", liveness.tick, job, now, link)
+            if link != "up" and liveness.awaits_successor(job):
+                links.probe(job.coordinator)  # a dead successor is told from a silent one
         guard.call("the coordinator", coordinator.tick, now)

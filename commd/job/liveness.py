@@ -43,18 +43,23 @@ def on_coordinator_closed(job: Job, now: float, heartbeat_timeout_s: float) -> N
                            "connection: its process ended (or restarted)", crash=True)
 
 
+def awaits_successor(job: Job) -> bool:
+    """Whether this tolerant job asked another node to take over and awaits its answer: then
+    whether anything listens there is worth finding out (``on_successor_gone``). A job that
+    is joining or forming waits as before: a daemon being started is not listening yet
+    either."""
+    return (job.state.active and job.epochs_enabled and job.epochs.taking_over
+            and not _coordinated_here(job))
+
+
 def on_successor_gone(job: Job) -> None:
     """Nothing listens at the address of the node this tolerant job asked to take over (a
     connection there was refused at once): its daemon died too, as when two daemons are
     killed together. The roster's next node is asked at once, this one counted dead, rather
-    than after the peer timeout. A job that is joining or forming waits as before: a daemon
-    being started is not listening yet either."""
-    if not job.state.active or not job.epochs_enabled or not job.epochs.taking_over:
-        return
-    if _coordinated_here(job):
-        return
-    _coordinator_lost(job, f"nothing listens at {job.coordinator}, the node asked to take "
-                           "over: its daemon is gone too", crash=True)
+    than after the peer timeout."""
+    if awaits_successor(job):
+        _coordinator_lost(job, f"nothing listens at {job.coordinator}, the node asked to "
+                               "take over: its daemon is gone too", crash=True)
 
 
 def _coordinated_here(job: Job) -> bool:
