@@ -63,12 +63,12 @@ creation to its first committed step), from that call to its first completed ste
 survivors' pause at the join. Both replacements build their optimizer, whose construction
 imports ``torch._dynamo`` (seconds on a small machine): commd's DistributedDataParallel(...)
 loads it before it asks to join, so its figure holds it; torchft's optimizer is built before
-its Manager, so its figure does not. Whether the replicas (the replacement too) end bit-identical
-is checked too.
+its Manager, so its figure does not. Whether the replicas (the replacement too) end
+bit-identical is checked too.
 
     .venv/bin/python bench/elastic.py                      # the committed result
     .venv/bin/python bench/elastic.py --systems commd --faults rank --json /tmp/elastic.json
-    .venv/bin/python bench/elastic.py --steps 40 --kill-at 10 --rejoin-at 0 --json /tmp/e.json
+    .venv/bin/python bench/elastic.py --faults rank,coordinator --rejoin-at 0 --json ''
 
 (``--json`` elsewhere: runs that are not the committed result do not replace it.)
 """
