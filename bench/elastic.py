@@ -478,8 +478,12 @@ def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
     if not shown:
         print(f"  no commd run to draw: {path} not written")
         return
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, (fault, line) in zip(axes[0], shown.items(), strict=True):
+    columns = min(3, len(shown))  # a row of three at most: the page's width
+    rows = -(-len(shown) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(shown):]:
+        ax.set_visible(False)
+    for ax, (fault, line) in zip(axes.flat, shown.items(), strict=False):
         for rank, segments in sorted(line["ranks"].items()):
             steps, seconds = points(segments)
             victim = rank == str(line.get("victim", VICTIM))
@@ -492,7 +496,8 @@ def plot(path: str, runs: Sequence[dict[str, Any]]) -> None:
         ax.set_title(FAULT_LABELS.get(fault, fault), fontsize=9)
         ax.set_xlabel("seconds since the fault")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("steps completed")
+    for row in axes:
+        row[0].set_ylabel("steps completed")
     axes[0][0].legend(fontsize=7, loc="upper left")
     fig.text(0.5, 0.01, "commd, fault_tolerance=\"continue\": 3 nodes × 1 rank on one machine; "
              "a flat stretch is a pause, a line that goes on is a rank that kept training",
