@@ -102,12 +102,13 @@ class NodeLowRank:
             return 1.0, CommSample(key, total.nbytes, seconds, ALLREDUCE)
         start = plan.spans[index][0]
         error = None if self.error is None else self.error[start:start + total.size]
-        qs = [self._q(matrix.layer, iteration, matrix.cols, matrix.rank)
-              for matrix in form.matrices]
+        qs, warm = zip(*(self._q(matrix.layer, iteration, matrix.cols, matrix.rank)
+                         for matrix in form.matrices), strict=True)
         first = np.empty(form.first_elements, dtype=total.dtype)
         second = np.empty(form.second_elements, dtype=total.dtype)
         # M = S + E lives in E's slice (or in the sum itself without feedback)
-        m = await self._work(_first_products, total, error, form, qs, first)
+        m = await self._work(_first_products, total, error, form, qs, warm, first,
+                             self.spec.epsilon)
         seconds = await self._allreduce(first, turn, issued, last=False)
         await self._work(_second_products, m, total, form, first, second, self.spec.epsilon)
         await self._allreduce(second, None, issued, last=True)
@@ -134,16 +135,16 @@ class NodeLowRank:
             self._spare = np.empty(self._flat_size, dtype=self._dtype)
         return self._spare[start:start + size]
 
-    def _q(self, layer: int, iteration: int, cols: int, rank: int) -> np.ndarray:
-        """The layer's Q for this iteration: the last one (warm), else a fresh one."""
+    def _q(self, layer: int, iteration: int, cols: int, rank: int) -> tuple[np.ndarray, bool]:
+        """The layer's Q for this iteration, and whether it is the last one (warm), which
+        ``_first_products`` orthogonalises off the loop; else a fresh, orthonormal one."""
         q = self._qs.get(layer)
         if q is None or not self.spec.warm or q.shape != (cols, rank):
             q = initial_q(self.spec.seed, layer, 0 if self.spec.warm else iteration, cols,
                           rank, self.spec.epsilon).astype(self._dtype, copy=False)
             self._qs[layer] = q
-        else:
-            orthogonalize(q, self.spec.epsilon)
-        return q
+            return q, False
+        return q, True
 
     async def _allreduce(self, buffer: np.ndarray, turn: asyncio.Future[None] | None,
                          issued: asyncio.Future[None], last: bool) -> float:
@@ -163,8 +164,13 @@ class NodeLowRank:
 
 
 def _first_products(total: np.ndarray, error: np.ndarray | None, form: GroupForm,
-                     qs: Sequence[np.ndarray], first: np.ndarray) -> np.ndarray:
-    """M = S + E; the uncompressed values and every P = M Q into ``first``; returns M."""
+                     qs: Sequence[np.ndarray], warm: Sequence[bool], first: np.ndarray,
+                     epsilon: float) -> np.ndarray:
+    """Every warm Q orthogonalised (as torch's hook does before reusing it); M = S + E; the
+    uncompressed values and every P = M Q into ``first``; returns M."""
+    for q, reused in zip(qs, warm, strict=True):
+        if reused:
+            orthogonalize(q, epsilon)
     if error is not None:
         error += total
         m = error
