@@ -255,10 +255,18 @@ class Run:
         return self.workdir / f"rank{rank}.log"
 
     def await_victim(self, processes: Sequence[subprocess.Popen[Any]]) -> int:
-        """Until the victim stops inside step ``--kill-at`` (its file ``struck``, polled with
-        a deadline; a process that exits first fails the run); the victim's pid."""
+        """Until the victim stops inside step ``--kill-at`` (its file ``struck``); the
+        victim's pid."""
+        return self.await_mark("struck", processes,
+                               f"rank {self.victim} never reached step {self.args.kill_at}")
+
+    def await_mark(self, name: str, processes: Sequence[subprocess.Popen[Any]],
+                   never: str) -> int:
+        """Until a rank stopped where the bench strikes it says so: the pid in its file
+        ``name``, polled with a deadline (``never`` says what did not happen); a process of
+        ``processes`` that exits first fails the run."""
         deadline = time.monotonic() + self.args.timeout
-        marker = self.workdir / "struck"
+        marker = self.workdir / name
         while True:
             with contextlib.suppress(FileNotFoundError, ValueError):
                 return int(marker.read_text())
@@ -268,8 +276,7 @@ class Run:
                     raise RuntimeError(f"a process exited (code {process.returncode}) before "
                                        f"the fault:\n{said.read()[-3000:] if said else ''}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.victim} never reached step "
-                                   f"{self.args.kill_at}")
+                raise RuntimeError(never)
             time.sleep(0.001)  # polling a file, with a deadline
 
     def strike(self, signal_number: int, pid: int, again: bool = False) -> None:
@@ -351,7 +358,7 @@ def run_commd(run: Run) -> dict[str, Any]:
             again = None
             if run.fault == "join":
                 # its second start, as the first, with its imports done before it is let in
-                again = start_replacement(run, daemons[VICTIM], daemons[0].address, job, env,
+                again = start_replacement(run, daemons[victim], daemons[0].address, job, env,
                                           processes, go="go-again")
             joiner = replace(run, daemons, job, env, processes, again)
             if again is not None:
@@ -392,17 +399,9 @@ def commd_daemon(run: Run, name: str, port: int = 0) -> LocalDaemon:
 def kill_the_giver(run: Run, processes: Sequence[subprocess.Popen[str]],
                    joiner: subprocess.Popen[str]) -> int:
     """Until a survivor stops as it starts handing its state to the joiner (its file
-    ``donor``, polled with a deadline); SIGKILL it there, the fault the run measures.
-    Returns its rank."""
-    deadline = time.monotonic() + run.args.timeout
-    marker = run.workdir / "donor"
-    while True:
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            pid = int(marker.read_text())
-            break
-        if joiner.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("no rank started handing its state to the replacement")
-        time.sleep(0.001)  # polling a file, with a deadline
+    ``donor``); SIGKILL it there, the fault the run measures. Returns its rank."""
+    pid = run.await_mark("donor", [joiner],
+                         "no rank started handing its state to the replacement")
     [rank] = [rank for rank, process in enumerate(processes[:WORLD]) if process.pid == pid]
     run.strike(signal.SIGKILL, pid, again=True)
     return rank

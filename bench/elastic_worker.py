@@ -13,8 +13,9 @@ process of the machine, so the bench can line them up with the moment it struck;
 lines them up with the daemons' logs). ``committed`` is 0 for a step whose update was thrown
 away (torchft's should_commit said no). A restarted torchrun rank appends to the same file.
 At the end each rank writes ``rank<R>.json``: its parameters' digest and what it saw.
-A commd rank whose spec has ``pause_giving_state`` stops as it starts handing its state to a
-joiner (the file ``donor`` says so), for the bench to kill it there.
+A rank whose spec has ``pause_giving_state`` stops as it starts handing its state to a joiner
+(commd) or a healing replica (torchft), the file ``donor`` says so, for the bench to kill it
+there.
 
 Usage: python elastic_worker.py SYSTEM '<json spec>'   (torchrun runs it the same way)
 """
@@ -128,30 +129,21 @@ def await_go(spec: dict[str, Any]) -> None:
     await_file(go, spec["timeout"])
 
 
-def mark_and_wait(marker: Path) -> bool:
-    """Say where this rank stopped (the file ``marker``, with its pid) and wait there for the
-    bench's SIGKILL; False (at once) when the mark is made already: only the first time."""
-    if marker.exists():
-        return False
-    marker.write_text(str(os.getpid()))
-    while True:
-        time.sleep(3600)  # until the bench's SIGKILL (on whichever thread this runs)
-
-
-def pause_when_giving_state(directory: Path) -> None:
-    """This rank stops as it starts handing its state to a joiner, says so with the file
-    ``donor`` and waits there for the bench's SIGKILL: a kill during a join, at a known
-    moment. Only the first hand-over: the file is the mark."""
-    import commd_client._torch_rejoin as rejoin
-
-    send = rejoin.send
+def paused_giving_state(send: Callable[..., None], directory: Path,
+                        when: Callable[[], bool] = lambda: True) -> Callable[..., None]:
+    """``send`` (what hands a joiner the training state), stopping first, the first time
+    and ``when`` says so: the rank says where it stopped (the file ``donor``, with its pid)
+    and waits there for the bench's SIGKILL — a kill during a join, at a known moment."""
     marker = directory / "donor"
 
     def paused(*args: Any, **kwargs: Any) -> None:
-        mark_and_wait(marker)
+        if when() and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            while True:
+                time.sleep(3600)  # until the bench's SIGKILL (on whichever thread this runs)
         send(*args, **kwargs)
 
-    rejoin.send = paused
+    return paused
 
 
 def run_commd(spec: dict[str, Any]) -> None:
@@ -161,7 +153,9 @@ def run_commd(spec: dict[str, Any]) -> None:
     rank = spec["rank"]
     directory = Path(spec["progress_dir"])
     if spec.get("pause_giving_state"):
-        pause_when_giving_state(directory)
+        import commd_client._torch_rejoin as rejoin
+
+        rejoin.send = paused_giving_state(rejoin.send, directory)
     await_go(spec)
     progress = Progress(spec["progress_dir"], rank)
     module = build_model(spec["seed"])
@@ -282,16 +276,10 @@ def run_torchft(spec: dict[str, Any]) -> None:
                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
     if spec.get("pause_giving_state"):  # stop as it starts sending a healing peer the state
         transport = manager._checkpoint_transport
-        send = transport.send_checkpoint
-        marker = Path(spec["progress_dir"]) / "donor"
-
-        def paused(*args: Any, **kwargs: Any) -> None:
-            # not at the first step's weight sync (init_sync): at a replacement's heal
-            if manager.current_step() > spec["kill_at"]:
-                mark_and_wait(marker)
-            send(*args, **kwargs)
-
-        transport.send_checkpoint = paused  # type: ignore[method-assign]
+        # not at the first step's weight sync (init_sync): at a replacement's heal
+        transport.send_checkpoint = paused_giving_state(  # type: ignore[method-assign]
+            transport.send_checkpoint, Path(spec["progress_dir"]),
+            lambda: manager.current_step() > spec["kill_at"])
     model = TolerantDDP(manager, module) if spec["hook"] == "tolerant" else FtDDP(manager, module)
     # All three replicas heartbeat before any asks for the first quorum: a replica that asks
     # late waits outside the quorum until its membership changes, and the fault would then
